@@ -1,0 +1,95 @@
+"""Footprint: where a checkpoint's bytes sit, from its shard headers (or, for planning without
+files, from the layout a config implies). Every figure is a sum over real tensor byte counts or a
+stated formula over them; nothing is quoted.
+
+Per-token figures:
+  routed_bytes_per_decode_token = K x sum over MoE layers of one expert's bytes      (V4.1: 4.51 GB)
+  encoder_pass_bytes            = all routed experts of the encoder layers           (one bounded_replay pass)
+  full_pass_bytes               = all routed experts of every layer                  (one `full` prefill pass)
+  engram_bytes_per_token        = Engram layers x (max_ngram-1) x heads x row bytes  (V4.1: 12,672 B)
+  dense_bytes_per_token         = dense/attention + shared experts + LM head: what every decoded
+                                  token reads outside the routed experts (Engram, drafter excluded)
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+from runtime.checkpoint.layout import CLASSES, tensor_specs
+from runtime.config import ModelConfig
+
+
+@dataclass
+class Footprint:
+    model: str
+    geometry_hash: str
+    n_tensors: int
+    n_shards: int
+    total_bytes: int
+    bytes_by_class: dict
+    routed_bytes_by_layer: list          # [L] all routed experts of layer i
+    other_bytes_by_layer: list           # [L] dense + shared of layer i
+    expert_bytes: int
+    n_routed_experts: int
+    n_routed_expert_tensors: int
+    routed_expert_bytes_total: int
+    routed_bytes_per_decode_token: int
+    encoder_pass_bytes: int
+    full_pass_bytes: int
+    engram_bytes_total: int
+    engram_rows_total: int
+    engram_row_bytes: int
+    engram_bytes_per_token: int
+    kv_bytes_per_token: float
+    dense_bytes_per_token: int
+    drafter_expert_bytes: int
+    shard_bytes: dict = field(default_factory=dict)   # shard file name -> bytes
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, sizes: dict[str, int], shard_bytes: dict | None = None) -> "Footprint":
+        """cfg + {tensor name: bytes} (from headers, or from the layout for a config alone)."""
+        specs = {s.name: s for s in tensor_specs(cfg)}
+        by_class = {c: 0 for c in CLASSES}
+        L = cfg.num_hidden_layers
+        routed, other = [0] * L, [0] * L
+        n_expert_tensors = 0
+        per_expert = defaultdict(int)
+        for name, nb in sizes.items():
+            s = specs[name]
+            by_class[s.cls] += nb
+            if s.cls == "routed_experts":
+                routed[s.layer] += nb
+                n_expert_tensors += 1
+                per_expert[name.rsplit(".", 2)[0]] += nb   # layers.i.ffn.experts.e
+            elif s.layer is not None and s.cls in ("dense", "shared_expert") and ".engram." not in name:
+                other[s.layer] += nb
+        expert_sizes = set(per_expert.values())
+        expert_bytes = max(expert_sizes) if expert_sizes else 0
+        drafter_experts = [v for k, v in sizes.items() if k.startswith("mtp.") and ".ffn.experts.0." in k]
+        K = cfg.num_experts_per_tok
+        enc = cfg.num_encoder_layers
+        head = sizes.get("head.weight", 0)
+        return cls(
+            model=cfg.name, geometry_hash=cfg.geometry_hash(), n_tensors=len(sizes),
+            n_shards=len(shard_bytes or {}), total_bytes=sum(sizes.values()), bytes_by_class=by_class,
+            routed_bytes_by_layer=routed, other_bytes_by_layer=other,
+            expert_bytes=expert_bytes, n_routed_experts=cfg.n_routed_experts,
+            n_routed_expert_tensors=n_expert_tensors, routed_expert_bytes_total=by_class["routed_experts"],
+            routed_bytes_per_decode_token=K * sum(r // cfg.n_routed_experts for r in routed),
+            encoder_pass_bytes=sum(routed[:enc]), full_pass_bytes=sum(routed),
+            engram_bytes_total=by_class["engram_tables"], engram_rows_total=sum(cfg.engram_num_embeddings),
+            engram_row_bytes=cfg.engram_row_bytes,
+            engram_bytes_per_token=len(cfg.engram_layer_ids) * cfg.engram_slots * cfg.engram_row_bytes,
+            kv_bytes_per_token=cfg.kv_bytes_per_token,
+            dense_bytes_per_token=sum(other) + sizes.get("norm.weight", 0) + head,
+            drafter_expert_bytes=sum(drafter_experts),
+            shard_bytes=dict(shard_bytes or {}),
+        )
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> "Footprint":
+        """The footprint a checkpoint in our layout would have (for planning without the files)."""
+        return cls.build(cfg, {s.name: s.nbytes for s in tensor_specs(cfg)})
