@@ -1,0 +1,350 @@
+"""CPU expert FFN over ds_fp4 banks (numba): y[t] = sum_k w[t,k] * down_e(silu(gate_e x_t) * up_e x_t).
+
+Weights are read in place in ds_fp4 (fused dequantize, no full-precision copy of an expert). Shapes
+that matter: decode (1 token x top-6 experts), DSpark verification (2-6 tokens whose experts overlap),
+small batches; prefill widths go through `expert_ffn_dense` (dequantize a tile, torch matmul) when
+that is faster (the crossover is measured in benchmarks/cpu_moe.py and kept in DENSE_MIN_TOKENS).
+
+Bank layout (built by the runtime at load; FreeToken's layout):
+  w13_codes [E, 2I, H/2] u8, w13_scales [E, 2I, H/32] u8   rows 0..I-1 = gate (w1), I..2I-1 = up (w3)
+  w2_codes  [E, H, I/2]  u8, w2_scales  [E, H, I/32]  u8   down
+Work is split over output rows: every output element is one ordered dot product and the expert sum
+runs in a fixed order (experts ascending), so the result is bit-identical for any thread count.
+The call releases the GIL (nogil) so the runtime can overlap it with other work.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import torch
+from numba import njit, prange, types
+from numba.extending import overload
+
+from kernels.formats import dequantize_mxfp4
+from kernels.fp4_simd import E2M1, fp4_dequant, fp4_dot, host_isa
+
+ISA = host_isa()
+LANES = {"avx512": 16, "avx2": 8, "scalar": 0}[ISA]   # a compile-time constant in the kernels below
+# Compiled code is cached on disk for the host ISA only; a forced ISA (tests) compiles in memory, so the
+# cache never holds code for an ISA other than the one numba's cache key (CPU name + features) names.
+CACHE = "DSV41_CPU_ISA" not in os.environ
+ROWS_PER_CHUNK = 32          # rows per parallel work item (multiple of 4)
+DENSE_MIN_TOKENS = 48        # tokens per expert from which dequantize + torch matmul wins (measured)
+
+STAB = np.array([np.float32(2.0) ** (b - 127) if b != 255 else np.nan for b in range(256)], dtype=np.float32)
+E2M1_F32 = np.array(E2M1, dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class Fp4Bank:
+    """A bank of E experts in ds_fp4 (see module docstring for shapes)."""
+    w13_codes: np.ndarray
+    w13_scales: np.ndarray
+    w2_codes: np.ndarray
+    w2_scales: np.ndarray
+
+    def __post_init__(self):
+        E, I2, Hh = self.w13_codes.shape
+        H, I = 2 * Hh, I2 // 2
+        want = {"w13_scales": (E, I2, H // 32), "w2_codes": (E, H, I // 2), "w2_scales": (E, H, I // 32)}
+        for k, shape in want.items():
+            a = getattr(self, k)
+            if a.shape != shape or a.dtype != np.uint8:
+                raise ValueError(f"Fp4Bank.{k} is {a.dtype}{a.shape}, expected uint8{shape}")
+        for k in ("w13_codes", "w13_scales", "w2_codes", "w2_scales"):
+            if not getattr(self, k).flags.c_contiguous:
+                raise ValueError(f"Fp4Bank.{k} must be C-contiguous")
+        if H % 32 or I % 32:
+            raise ValueError(f"hidden ({H}) and intermediate ({I}) must be multiples of 32")
+
+    @property
+    def n_experts(self) -> int:
+        return self.w13_codes.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.w13_codes.shape[2] * 2
+
+    @property
+    def inter(self) -> int:
+        return self.w13_codes.shape[1] // 2
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes one expert's evaluation reads: 3*H*I*(1/2 + 1/32)."""
+        return 3 * self.hidden * self.inter * 17 // 32
+
+    @classmethod
+    def from_experts(cls, experts) -> "Fp4Bank":
+        """experts: list of dicts {w1, w2, w3: (codes u8, scales u8)} as stored in the checkpoint."""
+        w13c = np.stack([np.concatenate([np.asarray(e["w1"][0]), np.asarray(e["w3"][0])]) for e in experts])
+        w13s = np.stack([np.concatenate([np.asarray(e["w1"][1]), np.asarray(e["w3"][1])]) for e in experts])
+        w2c = np.stack([np.asarray(e["w2"][0]) for e in experts])
+        w2s = np.stack([np.asarray(e["w2"][1]) for e in experts])
+        return cls(np.ascontiguousarray(w13c), np.ascontiguousarray(w13s), np.ascontiguousarray(w2c), np.ascontiguousarray(w2s))
+
+    @classmethod
+    def random(cls, n_experts: int, hidden: int, inter: int, seed: int = 0) -> "Fp4Bank":
+        """Random codes with scales giving weight RMS ~1/sqrt(fan_in) (tests and benchmarks)."""
+        rng = np.random.default_rng(seed)
+        def codes(*shape):
+            return np.frombuffer(bytearray(rng.bytes(int(np.prod(shape)))), dtype=np.uint8).reshape(shape)
+        def scales(fan_in, *shape):
+            e = 127 + int(round(np.log2(1 / (np.sqrt(fan_in) * 2.93))))
+            return (e + rng.integers(-1, 2, size=shape)).astype(np.uint8)
+        E, H, I = n_experts, hidden, inter
+        return cls(codes(E, 2 * I, H // 2), scales(H, E, 2 * I, H // 32), codes(E, H, I // 2), scales(I, E, H, I // 32))
+
+    def expert_weights(self, e: int, dtype=torch.float64):
+        """(w1 [I, H], w3 [I, H], w2 [H, I]) dequantized: the reference's view of expert e."""
+        I = self.inter
+        w13 = dequantize_mxfp4(torch.from_numpy(self.w13_codes[e]), torch.from_numpy(self.w13_scales[e]), dtype)
+        w2 = dequantize_mxfp4(torch.from_numpy(self.w2_codes[e]), torch.from_numpy(self.w2_scales[e]), dtype)
+        return w13[:I], w13[I:], w2
+
+
+# ----------------------------------------------------------------------------------------- kernels
+@njit(nogil=True, cache=CACHE)
+def _dot_scalar(R, codes, c_off, c_stride, scales, s_off, s_stride, x, x_off, stab, ng, out, o_off):
+    half = ng * 16
+    for r in range(R):
+        acc = np.float32(0.0)
+        for g in range(ng):
+            s = stab[scales[s_off + r * s_stride + g]]
+            p = np.float32(0.0)
+            for j in range(16):
+                c = codes[c_off + r * c_stride + g * 16 + j]
+                p += E2M1_F32[c & 15] * x[x_off + g * 16 + j] + E2M1_F32[c >> 4] * x[x_off + half + g * 16 + j]
+            acc += p * s
+        out[o_off + r] = acc
+
+
+@njit(nogil=True, cache=CACHE)
+def _plan_slots(ids, n_experts):
+    """Group (token, k) assignments by expert, ascending. -> experts [S], counts [S], tok [S, Tm], kk [S, Tm]."""
+    T, K = ids.shape
+    cnt = np.zeros(n_experts, np.int64)
+    for t in range(T):
+        for k in range(K):
+            e = ids[t, k]
+            if e < 0 or e >= n_experts:
+                raise ValueError("expert id out of range for the bank")
+            cnt[e] += 1
+    S = 0
+    Tm = 0
+    for e in range(n_experts):
+        if cnt[e] > 0:
+            S += 1
+            Tm = max(Tm, cnt[e])
+    experts = np.empty(S, np.int64)
+    counts = np.zeros(S, np.int64)
+    slot_of = -np.ones(n_experts, np.int64)
+    s = 0
+    for e in range(n_experts):
+        if cnt[e] > 0:
+            experts[s] = e
+            slot_of[e] = s
+            s += 1
+    tok = np.empty((S, Tm), np.int64)
+    kk = np.empty((S, Tm), np.int64)
+    for t in range(T):
+        for k in range(K):
+            s = slot_of[ids[t, k]]
+            tok[s, counts[s]] = t
+            kk[s, counts[s]] = k
+            counts[s] += 1
+    return experts, counts, tok, kk
+
+
+def _dot(R, lanes, codes, c_off, c_stride, scales, s_off, s_stride, x, x_off, stab, ng, out, o_off):
+    """R rows x one input: the SIMD intrinsic for lanes 8/16, plain loops for lanes 0 (compiled only)."""
+    raise NotImplementedError("numba-only")
+
+
+@overload(_dot, prefer_literal=True, inline="always")
+def _ov_dot(R, lanes, codes, c_off, c_stride, scales, s_off, s_stride, x, x_off, stab, ng, out, o_off):
+    if not isinstance(lanes, types.IntegerLiteral) or not isinstance(R, types.IntegerLiteral):
+        return None
+    if lanes.literal_value == 0:
+        return lambda R, lanes, codes, c_off, c_stride, scales, s_off, s_stride, x, x_off, stab, ng, out, o_off: \
+            _dot_scalar(R, codes, c_off, c_stride, scales, s_off, s_stride, x, x_off, stab, ng, out, o_off)
+    return lambda R, lanes, codes, c_off, c_stride, scales, s_off, s_stride, x, x_off, stab, ng, out, o_off: \
+        fp4_dot(R, lanes, codes, c_off, c_stride, scales, s_off, s_stride, x, x_off, stab, ng, out, o_off)
+
+
+def _deq(lanes, codes, c_off, scales, s_off, stab, ng, out, o_off):
+    raise NotImplementedError("numba-only")
+
+
+@overload(_deq, prefer_literal=True, inline="always")
+def _ov_deq(lanes, codes, c_off, scales, s_off, stab, ng, out, o_off):
+    if not isinstance(lanes, types.IntegerLiteral):
+        return None
+    if lanes.literal_value == 0:
+        return lambda lanes, codes, c_off, scales, s_off, stab, ng, out, o_off: \
+            _deq_scalar(codes, c_off, scales, s_off, stab, ng, out, o_off)
+    return lambda lanes, codes, c_off, scales, s_off, stab, ng, out, o_off: \
+        fp4_dequant(lanes, codes, c_off, scales, s_off, stab, ng, out, o_off)
+
+
+@njit(nogil=True, cache=CACHE)
+def _deq_scalar(codes, c_off, scales, s_off, stab, ng, out, o_off):
+    for g in range(ng):
+        sc = stab[scales[s_off + g]]
+        for j in range(16):
+            b = codes[c_off + g * 16 + j]
+            out[o_off + g * 32 + 2 * j] = E2M1_F32[b & 15] * sc
+            out[o_off + g * 32 + 2 * j + 1] = E2M1_F32[b >> 4] * sc
+
+
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _matvecs(codes, scales, experts, counts, xs, out, stab):
+    """out[s, j, r] = W_{experts[s]}[r] . x(s, j) for j < counts[s]; xs [S, Tm, K] de-interleaved."""
+    S, Tm, N = out.shape
+    K = xs.shape[2]
+    ng = K // 32
+    c_row, s_row = K // 2, K // 32
+    xf = xs.reshape(-1)
+    of = out.reshape(-1)
+    cf = codes.reshape(-1)
+    sf = scales.reshape(-1)
+    per = (N + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK
+    for c in prange(S * per):
+        s = c // per
+        r0 = (c % per) * ROWS_PER_CHUNK
+        r1 = min(r0 + ROWS_PER_CHUNK, N)
+        e = experts[s]
+        for j in range(counts[s]):
+            x_off = (s * Tm + j) * K
+            o_base = (s * Tm + j) * N
+            for r in range(r0, r1, 4):                 # N is a multiple of 32: whole 4-row blocks
+                c_off = (e * N + r) * c_row
+                s_off = (e * N + r) * s_row
+                _dot(4, LANES, cf, c_off, c_row, sf, s_off, s_row, xf, x_off, stab, ng, of, o_base + r)
+
+
+@njit(nogil=True, cache=CACHE)
+def _deinterleave_into(dst, src):
+    h = src.shape[0] // 2
+    for i in range(h):
+        dst[i] = src[2 * i]
+        dst[h + i] = src[2 * i + 1]
+
+
+@njit(nogil=True, cache=CACHE)
+def _gather_inputs(x, experts, counts, tok):
+    S, Tm = tok.shape
+    xs = np.zeros((S, Tm, x.shape[1]), np.float32)
+    for s in range(S):
+        for j in range(counts[s]):
+            _deinterleave_into(xs[s, j], x[tok[s, j]])
+    return xs
+
+
+@njit(nogil=True, cache=CACHE)
+def _swiglu_inputs(h, counts, inter):
+    S, Tm, _ = h.shape
+    a = np.zeros((S, Tm, inter), np.float32)
+    tmp = np.empty(inter, np.float32)
+    for s in range(S):
+        for j in range(counts[s]):
+            for i in range(inter):
+                g = h[s, j, i]
+                tmp[i] = g / (np.float32(1.0) + np.exp(-g)) * h[s, j, inter + i]
+            _deinterleave_into(a[s, j], tmp)
+    return a
+
+
+@njit(nogil=True, cache=CACHE)
+def _combine(y, counts, tok, kk, wts, out):
+    """out[t] += w[t, k] * y[s, j], slots in ascending expert order (fixed: deterministic)."""
+    S = y.shape[0]
+    for s in range(S):
+        for j in range(counts[s]):
+            t = tok[s, j]
+            w = wts[t, kk[s, j]]
+            for r in range(out.shape[1]):
+                out[t, r] += w * y[s, j, r]
+
+
+def expert_ffn(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, bank: Fp4Bank, threads: int | None = None,
+               out: np.ndarray | None = None) -> np.ndarray:
+    """x [T, H] f32, ids [T, K] int64 (bank rows; duplicates allowed), wts [T, K] f32 -> y [T, H] f32.
+    With `out`, the result is added into it."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    wts = np.ascontiguousarray(wts, dtype=np.float32)
+    T, H = x.shape
+    if H != bank.hidden or ids.shape != wts.shape or ids.shape[0] != T:
+        raise ValueError(f"expert_ffn: x {x.shape}, ids {ids.shape}, wts {wts.shape} do not fit a bank of hidden {bank.hidden}")
+    if threads:
+        numba.set_num_threads(threads)
+    y = np.zeros((T, H), np.float32) if out is None else out
+    experts, counts, tok, kk = _plan_slots(ids, bank.n_experts)
+    if len(experts) == 0:
+        return y
+    xs = _gather_inputs(x, experts, counts, tok)
+    h = np.empty((len(experts), tok.shape[1], 2 * bank.inter), np.float32)
+    _matvecs(bank.w13_codes, bank.w13_scales, experts, counts, xs, h, STAB)
+    a = _swiglu_inputs(h, counts, bank.inter)
+    d = np.empty((len(experts), tok.shape[1], H), np.float32)
+    _matvecs(bank.w2_codes, bank.w2_scales, experts, counts, a, d, STAB)
+    _combine(d, counts, tok, kk, wts, y)
+    return y
+
+
+def expert_ffn_reference(x, ids, wts, bank: Fp4Bank, dtype=torch.float64) -> torch.Tensor:
+    """Plain torch, every expert dequantized, in `dtype` (float64 for checks)."""
+    x = torch.as_tensor(np.asarray(x)).to(dtype)
+    ids, wts = np.asarray(ids), torch.as_tensor(np.asarray(wts)).to(dtype)
+    y = torch.zeros_like(x)
+    for e in np.unique(ids):
+        w1, w3, w2 = bank.expert_weights(int(e), dtype)
+        t, k = np.nonzero(ids == e)
+        xe = x[t]
+        hid = torch.nn.functional.silu(xe @ w1.T) * (xe @ w3.T)
+        y.index_add_(0, torch.as_tensor(t), (hid @ w2.T) * wts[t, k][:, None])
+    return y
+
+
+# ------------------------------------------------------------------------------ prefill: dense tiles
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _dequant_experts(codes, scales, experts, out, stab):
+    """out[s] = dequantized W_{experts[s]} [N, K] float32."""
+    S, N, K = out.shape
+    ng = K // 32
+    cf, sf, of = codes.reshape(-1), scales.reshape(-1), out.reshape(-1)
+    for c in prange(S * N):
+        s, r = c // N, c % N
+        e = experts[s]
+        _deq(LANES, cf, (e * N + r) * (K // 2), sf, (e * N + r) * ng, stab, ng, of, (s * N + r) * K)
+
+
+def dequant_experts(codes, scales, experts) -> np.ndarray:
+    """codes [E, N, K/2], scales [E, N, K/32], experts [S] -> float32 [S, N, K]."""
+    out = np.empty((len(experts), codes.shape[1], codes.shape[2] * 2), np.float32)
+    _dequant_experts(codes, scales, np.asarray(experts, np.int64), out, STAB)
+    return out
+
+
+def expert_ffn_dense(x, ids, wts, bank: Fp4Bank, threads: int | None = None, dtype=torch.bfloat16):
+    """Prefill path: per expert, dequantize its tile (fp4 -> f32 -> `dtype`) and use torch matmul.
+    Compute-bound at prefill widths; numerics differ from expert_ffn only by `dtype` rounding."""
+    if threads:
+        numba.set_num_threads(threads)
+        torch.set_num_threads(threads)
+    x = torch.as_tensor(np.ascontiguousarray(x, dtype=np.float32))
+    ids, wts_t = np.asarray(ids), torch.as_tensor(np.asarray(wts, dtype=np.float32))
+    y = torch.zeros_like(x)
+    I = bank.inter
+    for e in np.unique(ids):
+        t, k = np.nonzero(ids == e)
+        w13 = torch.from_numpy(dequant_experts(bank.w13_codes, bank.w13_scales, [e])[0]).to(dtype)
+        w2 = torch.from_numpy(dequant_experts(bank.w2_codes, bank.w2_scales, [e])[0]).to(dtype)
+        h = x[t].to(dtype) @ w13.T                                     # [n, 2I]
+        a = torch.nn.functional.silu(h[:, :I].float()) * h[:, I:].float()
+        y.index_add_(0, torch.as_tensor(t), (a.to(dtype) @ w2.T).float() * wts_t[t, k][:, None])
+    return y.numpy()
