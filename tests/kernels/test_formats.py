@@ -37,7 +37,7 @@ def test_mxfp4_roundtrip_exact_on_representable_values():
 
 
 def test_mxfp4_error_bound_on_random():
-    w = torch.randn(64, 256, dtype=torch.float64)
+    w = torch.randn(64, 256, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
     p, s = quantize_mxfp4(w)
     d = dequantize_mxfp4(p, s, torch.float64)
     step = e8m0_to_float(s, torch.float64).repeat_interleave(32, -1)      # E2M1 spacing <= 2 * 2^e
@@ -59,12 +59,14 @@ def test_quantizers_refuse_non_finite():
 @pytest.mark.parametrize("block", [(32, 32), (128, 128)])
 @pytest.mark.parametrize("shape", [(64, 96), (70, 33), (1, 5)])
 def test_fp8_block_roundtrip(block, shape):
-    w = torch.randn(*shape, dtype=torch.float64) * torch.rand(*shape, dtype=torch.float64) * 10
+    g = torch.Generator().manual_seed(shape[0] * 1000 + shape[1] + block[0])
+    w = torch.randn(*shape, dtype=torch.float64, generator=g) * torch.rand(*shape, dtype=torch.float64, generator=g) * 10
     q, s = quantize_fp8_block(w, block)
     assert s.shape == (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
     d = dequantize_fp8_block(q, s, block, torch.float64)
     assert ((d - w).abs() <= w.abs() * 2 ** -4 + 1e-30 + 2 ** -9 * e8m0_to_float(s, torch.float64).max()).all()
-    assert (d - w).norm() / w.norm() < 0.04
+    if w.numel() >= 1000:          # e4m3's 3 mantissa bits: ~2% rms, 6.25% worst case per element
+        assert (d - w).norm() / w.norm() < 0.04
 
 
 def test_fp8_block_scale_mismatch_named():
