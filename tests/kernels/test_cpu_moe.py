@@ -124,3 +124,13 @@ def test_every_isa_path_this_cpu_can_run(isa):
     assert out.returncode == 0, out.stderr[-2000:]
     err, exact = out.stdout.split()
     assert float(err) < RTOL and exact == "True"
+
+
+def test_batch_invariant_a_token_alone_or_in_a_verify_batch():
+    """DSpark's lossless greedy verify needs each token's output to be the same bits whether it is
+    computed alone (plain decode) or in a batch sharing experts (the 4-token decode reuse)."""
+    bank, x, ids, w = _case(8, 6, 128, 64, 7, 3)
+    ids[:, 0] = 2                                            # every token shares expert 2
+    batch = expert_ffn(x, ids, w, bank)
+    for t in range(len(x)):
+        assert np.array_equal(batch[t], expert_ffn(x[t:t + 1], ids[t:t + 1], w[t:t + 1], bank)[0])

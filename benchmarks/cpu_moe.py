@@ -1,0 +1,168 @@
+"""CPU-MoE kernel vs DRAM stream read, measured in the same run.
+
+  python benchmarks/cpu_moe.py [--threads 1 2] [--steps 24] [--quick] [--json]
+
+For each thread count: DRAM stream read (buffer >= 4x LLC) and the kernel at batch 1 (1 token x top-6)
+over a bank >= 4x LLC, fresh experts every step, interleaved in rounds. Geometries: V4.1 (5120x2304,
+18.80 MB/expert), V4-Flash (4096x2048) and a small one (2048x768). Also, on V4.1: a 6-token DSpark
+verify whose experts overlap (GB/s of distinct expert bytes), the naive baseline (torch: dequantize to
+float, then matmul) and prefill widths (tokens per expert) for the GEMV kernel and the dense path
+(dequantize a tile + torch bf16 matmul), in GB/s and GFLOP/s (2 * 3 * H * I * tokens per expert).
+kernel GB/s = expert bytes moved / time. With --json the last line is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numba
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from autotune.host import llc_bytes, physical_cores  # noqa: E402
+from autotune.measure import Measurement, measure  # noqa: E402
+from autotune.probes.dram import dram_stream_read  # noqa: E402
+from kernels.cpu_moe import ISA, Fp4Bank, dequant_experts, expert_ffn, expert_ffn_dense  # noqa: E402
+
+GEOMETRIES = {"v4.1": (5120, 2304), "v4-flash": (4096, 2048), "small": (2048, 768)}
+
+
+def bank_for(H, I, seed=0):
+    expert = 3 * H * I * 17 // 32
+    n = int(np.ceil(4.2 * llc_bytes() / expert))
+    return Fp4Bank.random(n, H, I, seed=seed)
+
+
+def decode_step(bank, T=1, pool=None):
+    """A closure that runs one step on fresh experts each call; returns (fn, bytes per step)."""
+    rng = np.random.default_rng(0)
+    state = {"i": 0}
+    x = rng.standard_normal((T, bank.hidden)).astype(np.float32)
+    w = np.full((T, 6), 1 / 6, np.float32)
+    E = bank.n_experts
+    if pool is None:                                   # batch 1: 6 consecutive fresh experts
+        def ids_at(i):
+            return ((np.arange(6) + 6 * i) % E)[None].repeat(T, 0)
+    else:                                              # verify: T tokens' top-6 drawn from `pool` experts
+        def ids_at(i):
+            base = (pool * i) % (E - pool)
+            return np.stack([base + rng.choice(pool, 6, replace=False) for _ in range(T)])
+    plan = [ids_at(i) for i in range(64)]
+
+    def fn():
+        ids = plan[state["i"] % len(plan)]
+        state["i"] += 1
+        fn.bytes = len(np.unique(ids)) * bank.expert_bytes
+        expert_ffn(x, ids, w, bank)
+    fn.bytes = 0
+    return fn
+
+
+def gbs(m: Measurement, nbytes: float) -> Measurement:
+    return m.map(lambda s: nbytes / s / 1e9, "GB/s")
+
+
+def row(**kw):
+    for k, v in list(kw.items()):
+        if isinstance(v, Measurement):
+            kw[k] = round(v.median, 3)
+            kw[k + "_min"], kw[k + "_max"] = round(v.min, 3), round(v.max, 3)
+            kw[k + "_noisy"] = v.noisy
+    return kw
+
+
+def interleaved(a, b, rounds, steps):
+    """Alternate rounds of a() and b() measurements, pooling samples (the machine drifts)."""
+    sa, sb = [], []
+    for _ in range(rounds):
+        sa += a(steps).samples
+        sb += b(steps).samples
+    return Measurement(tuple(sa), "GB/s"), Measurement(tuple(sb), "GB/s")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, nargs="+", default=list(range(1, physical_cores() + 1)))
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--quick", action="store_true", help="fewer steps and rounds, V4.1 geometry only")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    steps, rounds = (8, 1) if args.quick else (args.steps, 2)
+    rows, head = [], None
+    print(f"ISA {ISA}, LLC {llc_bytes() / 2**20:.0f} MiB, threads {args.threads}", flush=True)
+
+    stream = {}
+    for name, (H, I) in GEOMETRIES.items():
+        if args.quick and name != "v4.1":
+            continue
+        bank = bank_for(H, I)
+        step = decode_step(bank)
+        for t in args.threads:
+            def kern(n, step=step, t=t):
+                numba.set_num_threads(t)
+                m = measure(step, repeats=n, warmup=2)
+                return gbs(m, step.bytes)
+            s, k = interleaved(lambda n, t=t: dram_stream_read(t, repeats=max(3, n // 4)), kern, rounds, steps)
+            stream.setdefault(t, []).extend(s.samples)
+            r = row(geometry=name, shape=f"{H}x{I}", tokens=1, threads=t, bank_gb=round(bank.n_experts * bank.expert_bytes / 1e9, 2),
+                    kernel_gbs=k, stream_gbs=s, ratio=round(k.median / s.median, 3))
+            rows.append(r)
+            print(f"{name:9s} batch 1  threads {t}: kernel {r['kernel_gbs']:6.2f} GB/s  stream {r['stream_gbs']:6.2f}  ratio {r['ratio']:.2f}", flush=True)
+            if name == "v4.1" and t == max(args.threads):
+                head = r
+        if name == "v4.1":
+            t = max(args.threads)
+            numba.set_num_threads(t)
+            ver = decode_step(bank, T=6, pool=10)
+            m = measure(ver, repeats=steps, warmup=2)
+            s_med = float(np.median(stream[t]))
+            r = row(geometry=name, shape=f"{H}x{I}", tokens=6, threads=t, kernel_gbs=gbs(m, ver.bytes),
+                    stream_gbs=round(s_med, 3), note="6-token verify, experts from a pool of 10 (GB/s of distinct experts)")
+            r["ratio"] = round(r["kernel_gbs"] / s_med, 3)
+            rows.append(r)
+            print(f"{name:9s} verify 6 threads {t}: kernel {r['kernel_gbs']:6.2f} GB/s  ratio {r['ratio']:.2f}", flush=True)
+            # naive baseline: torch dequantize to float then matmul, one token x 6 experts
+            x = torch.randn(1, H)
+            def naive(state={"i": 0}):
+                for e in (np.arange(6) + 6 * state["i"]) % bank.n_experts:
+                    w1, w3, w2 = bank.expert_weights(int(e), torch.float32)
+                    (torch.nn.functional.silu(x @ w1.T) * (x @ w3.T)) @ w2.T
+                state["i"] += 1
+            torch.set_num_threads(t)
+            m = measure(naive, repeats=max(3, steps // 4), warmup=1)
+            r = row(geometry=name, shape=f"{H}x{I}", tokens=1, threads=t, kernel_gbs=gbs(m, 6 * bank.expert_bytes),
+                    note="naive: torch dequantize to float32, then matmul")
+            rows.append(r)
+            print(f"{name:9s} naive    threads {t}: {r['kernel_gbs']:6.2f} GB/s", flush=True)
+            # prefill widths: n tokens on one expert, GEMV kernel vs dense (dequantize + bf16 matmul)
+            torch.set_num_threads(t)
+            for n in ((16, 64) if args.quick else (1, 8, 16, 32, 64, 128, 256)):
+                xs = np.random.default_rng(1).standard_normal((n, H)).astype(np.float32)
+                ids = np.zeros((n, 1), np.int64)
+                w = np.ones((n, 1), np.float32)
+                flop = 2 * 3 * H * I * n
+                for path, fn in (("gemv", lambda: expert_ffn(xs, ids, w, bank)), ("dense", lambda: expert_ffn_dense(xs, ids, w, bank))):
+                    m = measure(fn, repeats=max(3, steps // 4), warmup=1)
+                    r = row(geometry=name, shape=f"{H}x{I}", tokens=n, threads=t, path=path,
+                            kernel_gbs=gbs(m, bank.expert_bytes), gflops=m.map(lambda s: flop / s / 1e9, "GFLOP/s"),
+                            note="prefill width: tokens on one expert")
+                    rows.append(r)
+                    print(f"{name:9s} prefill n={n:3d} {path:5s}: {r['gflops']:7.1f} GFLOP/s  {r['kernel_gbs']:6.2f} GB/s", flush=True)
+            # dequantize alone (the dense path's first half)
+            m = measure(lambda: dequant_experts(bank.w13_codes, bank.w13_scales, [3]), repeats=5, warmup=1)
+            rows.append(row(geometry=name, shape=f"{H}x{I}", threads=t, path="dequant-w13",
+                            kernel_gbs=gbs(m, bank.expert_bytes * 2 / 3), note="fp4 -> f32 tile, codes+scales read"))
+        del bank
+    out = {"kernel_gbs": head["kernel_gbs"], "stream_gbs": head["stream_gbs"], "ratio": head["ratio"],
+           "threads": head["threads"], "isa": ISA, "rows": rows}
+    if args.json:
+        print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()

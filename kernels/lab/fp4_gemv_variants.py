@@ -1,0 +1,103 @@
+"""Lab: ds_fp4 GEMV variants, each checked against the reference and timed from DRAM.
+
+  python -m kernels.lab.fp4_gemv_variants [--threads N]
+
+One matrix-vector product per step over fresh rows of a bank >= 4x LLC (5120-wide rows, the V4.1
+gate/up geometry). Variants:
+  v0  plain numba loops, 16-entry LUT per nibble, scalar scale per group
+  v1  SIMD intrinsic, 1 row per x load, rows in order
+  v2  SIMD intrinsic, 4 consecutive rows per x load
+  v3  SIMD intrinsic, 4 rows a quarter-chunk apart per x load (4 DRAM streams per thread) -> package
+The package (kernels/cpu_moe.py) imports only the winner. Results and notes: kernels/lab/README.md.
+"""
+from __future__ import annotations
+
+import argparse
+
+import numba
+import numpy as np
+import torch
+from numba import njit, prange
+
+from autotune.host import llc_bytes
+from autotune.measure import measure
+from autotune.probes.dram import dram_stream_read
+from kernels.cpu_moe import E2M1_F32, LANES, STAB
+from kernels.formats import dequantize_mxfp4
+from kernels.fp4_simd import fp4_dot
+
+H = 5120
+CHUNK = 64
+
+
+@njit(parallel=True, nogil=True)
+def v0(codes, scales, x, out, row0, nrows, stab):
+    ng = H // 32
+    for r in prange(row0, row0 + nrows):
+        acc = np.float32(0.0)
+        for g in range(ng):
+            s = stab[scales[r, g]]
+            p = np.float32(0.0)
+            for j in range(16):
+                c = codes[r, g * 16 + j]
+                p += E2M1_F32[c & 15] * x[g * 32 + 2 * j] + E2M1_F32[c >> 4] * x[g * 32 + 2 * j + 1]
+            acc += p * s
+        out[r - row0] = acc
+
+
+@njit(parallel=True, nogil=True)
+def v1(cf, sf, xd, out, row0, nrows, stab):
+    for r in prange(row0, row0 + nrows):
+        fp4_dot(1, 1, LANES, cf, r * (H // 2), H // 2, sf, r * (H // 32), H // 32, xd, 0, H, stab, H // 32, out, r - row0, 0, 1)
+
+
+@njit(parallel=True, nogil=True)
+def v2(cf, sf, xd, out, row0, nrows, stab):
+    for b in prange(nrows // 4):
+        r = row0 + 4 * b
+        fp4_dot(4, 1, LANES, cf, r * (H // 2), H // 2, sf, r * (H // 32), H // 32, xd, 0, H, stab, H // 32, out, r - row0, 0, 1)
+
+
+@njit(parallel=True, nogil=True)
+def v3(cf, sf, xd, out, row0, nrows, stab):
+    q = CHUNK // 4
+    for c in prange(nrows // CHUNK):
+        for i in range(q):
+            r = row0 + c * CHUNK + i
+            fp4_dot(4, 1, LANES, cf, r * (H // 2), q * (H // 2), sf, r * (H // 32), q * (H // 32), xd, 0, H,
+                    stab, H // 32, out, r - row0, 0, q)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=numba.config.NUMBA_NUM_THREADS)
+    ap.add_argument("--steps", type=int, default=16)
+    args = ap.parse_args(argv)
+    numba.set_num_threads(args.threads)
+    rows = int(4.2 * llc_bytes() / (H * 17 / 32)) // 4608 * 4608
+    rng = np.random.default_rng(0)
+    codes = np.frombuffer(bytearray(rng.bytes(rows * H // 2)), np.uint8).reshape(rows, H // 2)
+    scales = (115 + rng.integers(-1, 2, (rows, H // 32))).astype(np.uint8)
+    x = rng.standard_normal(H).astype(np.float32)
+    xd = np.concatenate([x[0::2], x[1::2]])
+    n = 4608                                                   # one expert's gate+up rows per step
+    ref = (dequantize_mxfp4(torch.from_numpy(codes[:n]), torch.from_numpy(scales[:n]), torch.float64) @ torch.from_numpy(x).double()).numpy()
+    stream = dram_stream_read(args.threads)
+    print(f"bank {rows * H * 17 / 32 / 1e9:.2f} GB, stream {stream.median:.2f} GB/s ({args.threads} threads, ISA lanes {LANES})")
+    for name, f, a in (("v0 plain loops", v0, (codes, scales, x)), ("v1 simd 1 row", v1, (codes.reshape(-1), scales.reshape(-1), xd)),
+                       ("v2 simd 4 rows", v2, (codes.reshape(-1), scales.reshape(-1), xd)),
+                       ("v3 simd 4 spaced rows", v3, (codes.reshape(-1), scales.reshape(-1), xd))):
+        out = np.full(n, np.nan, np.float32)
+        f(*a, out, 0, n, STAB)
+        err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+        state = {"i": 1}
+
+        def step():
+            f(*a, out, (state["i"] * n) % (rows - n), n, STAB)
+            state["i"] += 1
+        m = measure(step, repeats=args.steps if name[1] != "0" else 3, warmup=1).map(lambda s: n * H * 17 / 32 / s / 1e9, "GB/s")
+        print(f"{name:24s} {m.median:6.2f} GB/s [{m.min:.2f}-{m.max:.2f}]  ratio {m.median / stream.median:.2f}  rel.err {err:.1e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+import numpy as np
+import pytest
+
+from autotune.host import llc_bytes
+from autotune.measure import Measurement, measure
+from autotune.probes.dram import BufferTooSmall, dram_stream_read
+
+
+def test_statistics_on_known_samples():
+    m = Measurement((4.0, 1.0, 3.0, 2.0, 5.0), "s")
+    assert (m.median, m.min, m.max) == (3.0, 1.0, 5.0)
+    assert m.iqr == 2.0 and m.noisy                       # IQR/median = 0.67
+    tight = Measurement((10.0, 10.1, 9.9, 10.05, 9.95))
+    assert not tight.noisy
+    g = m.map(lambda s: 10 / s, "GB/s")
+    assert g.unit == "GB/s" and g.max == 10.0 and g.min == 2.0 and g.samples[0] == 2.5
+    d = m.to_dict()
+    assert d["samples"] == [4.0, 1.0, 3.0, 2.0, 5.0] and d["median"] == 3.0 and d["noisy"] is True
+    with pytest.raises(ValueError):
+        Measurement(())
+
+
+def test_measure_runs_warmup_and_keeps_raw_samples():
+    calls = []
+    m = measure(lambda: calls.append(1), repeats=5, warmup=3, setup=lambda: calls.append(0))
+    assert len(m.samples) == 5 and calls.count(1) == 8 and calls.count(0) == 8
+    assert all(s >= 0 for s in m.samples)
+
+
+def test_dram_probe_refuses_a_buffer_under_4x_llc():
+    with pytest.raises(BufferTooSmall, match="4x the last-level cache"):
+        dram_stream_read(1, nbytes=llc_bytes())
