@@ -13,7 +13,7 @@ Per-token figures:
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from runtime.checkpoint.layout import CLASSES, tensor_specs
 from runtime.config import ModelConfig
@@ -43,10 +43,35 @@ class Footprint:
     kv_bytes_per_token: float
     dense_bytes_per_token: int
     drafter_expert_bytes: int
+    # geometry the cost model needs (from the config; kept here so the model needs no torch)
+    hidden_size: int = 0
+    moe_intermediate_size: int = 0
+    num_layers: int = 0
+    num_encoder_layers: int = 0
+    top_k: int = 0
+    window_size: int = 0
+    index_ratios: list = field(default_factory=list)    # compress ratio of each index source layer
+    engram_layer_ids: list = field(default_factory=list)
+    dspark_num_layers: int = 0
+    dspark_n_routed_experts: int = 0
     shard_bytes: dict = field(default_factory=dict)   # shard file name -> bytes
+
+    @property
+    def geometry(self) -> str:
+        """Expert geometry label, e.g. '5120x2304' (the CPU-MoE figure is keyed on it)."""
+        return f"{self.hidden_size}x{self.moe_intermediate_size}"
+
+    def n_blocks_max(self, context: int) -> int:
+        """Largest number of compressed positions any index layer scores at this context."""
+        return max((-(-context // r) for r in self.index_ratios), default=0)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Footprint":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
 
     @classmethod
     def build(cls, cfg: ModelConfig, sizes: dict[str, int], shard_bytes: dict | None = None) -> "Footprint":
@@ -86,6 +111,11 @@ class Footprint:
             kv_bytes_per_token=cfg.kv_bytes_per_token,
             dense_bytes_per_token=sum(other) + sizes.get("norm.weight", 0) + head,
             drafter_expert_bytes=sum(drafter_experts),
+            hidden_size=cfg.hidden_size, moe_intermediate_size=cfg.moe_intermediate_size,
+            num_layers=L, num_encoder_layers=enc, top_k=K, window_size=cfg.window_size,
+            index_ratios=[cfg.compress_ratios[i] for i in cfg.index_source_layers],
+            engram_layer_ids=list(cfg.engram_layer_ids), dspark_num_layers=cfg.dspark_num_layers,
+            dspark_n_routed_experts=cfg.dspark_n_routed_experts,
             shard_bytes=dict(shard_bytes or {}),
         )
 

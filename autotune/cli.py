@@ -1,0 +1,137 @@
+"""`dsv41-tune`: plan for a host.
+
+  dsv41-tune plan --profile HOST.json (--checkpoint DIR | --config CONFIG.json|PRESET)
+                  [--prompt-tokens P] [--max-tokens M] [--ttft-budget S] [--vram-budget GIB]
+                  [--allow-inexact-prefill] [--plan PLAN.json] [--trials N] [--storage URL] [--json]
+
+Searches plans offline with the cost model (or predicts one given plan with --plan) and prints the
+pick, the runner-up, the Pareto size and the memory table; figures whose source is `assumed` are
+flagged. --json prints one object: {plan, predicted, runner_up, assumed, study}.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from runtime.cli.common import console, fmt_bytes, run_main
+from runtime.plan import Plan
+from runtime.workload import Workload
+
+WL = {f.name: f.default for f in dataclasses.fields(Workload)}
+GIB = 1 << 30
+
+
+def _footprint(args):
+    from runtime.checkpoint.footprint import Footprint
+    from runtime.checkpoint.reader import Checkpoint
+    from runtime.config import load_config
+    if args.checkpoint:
+        return Checkpoint(args.checkpoint).footprint()
+    return Footprint.from_config(load_config(args.config))
+
+
+def _pred_json(pred) -> dict:
+    d = pred.to_dict()
+    d["memory_gib"] = {k: round(v / GIB, 3) for k, v in d.pop("memory").items()}
+    return d
+
+
+def cmd_plan(args) -> int:
+    from autotune.costmodel import predict
+    from autotune.profile import assumed_keys, load_profile
+    from autotune.search import pareto, runner_up, search
+    profile = load_profile(args.profile)
+    fp = _footprint(args)
+    wl = Workload(prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, ttft_budget_s=args.ttft_budget)
+    assumed = assumed_keys(profile)
+    if args.plan:
+        plan = Plan.load(args.plan)
+        if plan.geometry_hash and plan.geometry_hash != fp.geometry_hash:
+            raise ValueError(f"{args.plan}: the plan was made for geometry {plan.geometry_hash}, this model is {fp.geometry_hash}")
+        if args.vram_budget is not None:
+            plan = plan.replace(vram_budget_gib=args.vram_budget)
+        results, study = [(plan, predict(plan, profile, fp, wl, args.allow_inexact_prefill))], None
+    else:
+        study, results = search(profile, fp, wl, n_trials=args.trials, storage=args.storage,
+                                vram_budget_gib=args.vram_budget, allow_inexact=args.allow_inexact_prefill)
+        if not results:
+            raise ValueError(f"no feasible plan for {fp.model} on {profile['host'].get('name')}: "
+                             f"{_why_none(study)}")
+    pick, pred = results[0]
+    runner = runner_up(results)
+    if args.json:
+        print(json.dumps({"plan": pick.to_dict(), "predicted": _pred_json(pred),
+                          "runner_up": None if runner is None else {"plan": runner[0].to_dict(), "predicted": _pred_json(runner[1])},
+                          "assumed": assumed, "study": None if study is None else study.study_name}))
+        return 0 if pred.feasible else 3
+    _print(profile, fp, wl, pick, pred, runner, assumed, study, pareto(results))
+    return 0 if pred.feasible else 3
+
+
+def _why_none(study) -> str:
+    from collections import Counter
+    reasons = Counter(w for t in study.trials for w in t.user_attrs.get("why", []))
+    top = "; ".join(f"{w} ({n} plans)" for w, n in reasons.most_common(2))
+    return f"every sampled plan broke a budget: {top}"
+
+
+def _print(profile, fp, wl, pick, pred, runner, assumed, study, front):
+    from rich.table import Table
+    c = console()
+    host = profile["host"].get("name", "host")
+    c.print(f"[bold]{fp.model}[/] on [bold]{host}[/]: prompt {wl.prompt_tokens} tokens, {wl.max_tokens} out"
+            + (f", TTFT budget {wl.ttft_budget_s} s" if wl.ttft_budget_s else ""))
+    t = Table(title="plans")
+    for col in ("", "decode tok/s", "TTFT s", "feasible", "strategy", "slots", "chunk", "mode", "engram", "dspark", "host experts"):
+        t.add_column(col)
+    for label, (p, r) in (("pick", (pick, pred)),) + ((("runner-up", runner),) if runner else ()):
+        t.add_row(label, f"{r.decode_tok_s:.2f}", f"{r.ttft_s:.1f}", "yes" if r.feasible else "NO",
+                  p.moe_strategy + (f" f={p.fetch_fraction:.2f}" if p.moe_strategy == "hybrid" else ""),
+                  str(p.slot_cache_experts), str(p.prefill_chunk), p.prefill_mode,
+                  f"{p.engram_placement} qd{p.engram_io_depth}", f"d={p.draft_length}" if p.dspark else "off",
+                  "all" if p.host_expert_budget_gib is None else f"{p.host_expert_budget_gib:.0f} GiB")
+    c.print(t)
+    m = Table(title="memory (pick)")
+    m.add_column("tier"), m.add_column("bytes", justify="right")
+    for k, v in pred.memory.items():
+        m.add_row(k, fmt_bytes(v) + f" ({v / GIB:.2f} GiB)")
+    c.print(m)
+    for w in pred.why:
+        c.print(f"[red]infeasible:[/] {w}")
+    for n in pred.notes:
+        c.print(f"[yellow]note:[/] {n}")
+    if assumed:
+        c.print(f"[yellow]assumed figures in this profile:[/] {', '.join(assumed)}")
+    if study is not None:
+        c.print(f"study {study.study_name}: {len(study.trials)} trials, Pareto front {len(front)} plans")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dsv41-tune", description="plan, profile and tune dsv41 for this host")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pl = sub.add_parser("plan", help="search plans offline with the cost model")
+    pl.add_argument("--profile", required=True, help="host profile JSON")
+    src = pl.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="checkpoint directory (footprint from its headers)")
+    src.add_argument("--config", help="config.json or preset name (footprint from the layout)")
+    pl.add_argument("--prompt-tokens", type=int, default=WL["prompt_tokens"])
+    pl.add_argument("--max-tokens", type=int, default=WL["max_tokens"])
+    pl.add_argument("--ttft-budget", type=float, default=WL["ttft_budget_s"], help="seconds")
+    pl.add_argument("--vram-budget", type=float, default=Plan.vram_budget_gib, help="GiB: plan for a smaller card")
+    pl.add_argument("--allow-inexact-prefill", action="store_true", help="let the search choose bounded_replay")
+    pl.add_argument("--plan", help="predict this plan (plan or profile file) instead of searching")
+    pl.add_argument("--trials", type=int, default=2000)
+    pl.add_argument("--storage", default=None, help="Optuna storage URL (persist/resume/share the study)")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(fn=cmd_plan)
+    return p
+
+
+def main(argv=None) -> int:
+    return run_main(build_parser(), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""The cost model: predict(plan, profile, footprint, workload) -> Prediction. Pure and fast (no torch).
+
+Terms (units: bytes, seconds, GB/s = 1e9 B/s; every one documented where computed):
+  hit rate        h = min(1, slots / (L * E))                        prior: uniform routing (stated; a
+                                                                     measured popularity curve replaces it)
+  misses/token    M = K * L * (1 - h) experts, bytes Bm = M * expert_bytes
+  NVMe tier       share q = max(0, 1 - host_budget / all routed bytes) of misses read at nvme_seq GB/s
+  decode MoE      cpu:     Bm / cpu_gbs
+                  offload: Bm / gather_gbs
+                  hybrid:  max(f * Bm / gather_c, (1 - f) * Bm / cpu_c)  (contended figures: both at once)
+                  + L * dispatch_fixed                               (LESSONS 3: per-layer submit/sync)
+  dense/attn      dense_bytes_per_token / gpu_mem_gbs (on a GPU host; else / dram_stream)
+  Engram decode   reads of layer l hide behind the layers before it: wait_l = max(0, t_io - t_layer * l)
+                  t_io = 24 reads / IOPS(depth) (host placement: 0)
+  DSpark          accepted per step a = (1 - p^(d+1)) / (1 - p), p = 0.7 assumed per-token acceptance;
+                  verify reads the union of d+1 tokens' experts: E * (1 - (1 - K/E)^(d+1)) per layer
+  prefill chunk   touches u = 1 - (1 - K/E)^chunk of each layer's experts; time per chunk =
+                  max(bytes / bandwidth, FLOP / FLOPS), FLOP = 2 * 3 * H * I * K * tokens per layer
+                  (full: all layers over the prompt; bounded_replay: encoder over the prompt, decoder
+                  over the last window)
+  VRAM            dense + KV(context) + graphs (1 GiB, assumed) + indexer peak + prefill buffer
+                  + slots * expert_bytes (+ drafter); indexer peak = 6 B * chunk * n_blocks_max(context)
+                  (SGLang's measured ~6 B x chunk x context for V4.1, quoted in ARCHITECTURE.md)
+  host RAM        resident routed experts + drafter + Engram (host: all; nvme_*: scales if kept + row
+                  cache) + OS headroom (8 GiB, assumed); page cache = what is left (nvme_mmap uses it)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from autotune.profile import cpu_moe_figure, figure
+from runtime.checkpoint.footprint import Footprint
+from runtime.plan import Plan
+from runtime.workload import Workload
+
+GIB = 1 << 30
+GRAPHS_BYTES = 1 * GIB            # assumed CUDA graph pool
+OS_HEADROOM = 8 * GIB             # assumed host RAM kept for the OS and the process
+VRAM_MARGIN = 0.05                # safety margin on every VRAM budget
+INDEXER_B_PER_SCORE = 6.0         # SGLang's measured ~6 B x chunk x context (V4.1), quoted
+DSPARK_P_ACCEPT = 0.7             # assumed per-token acceptance until measured
+ENGRAM_ROWS_PER_LAYER = 24
+
+
+@dataclass
+class Prediction:
+    decode_tok_s: float
+    ttft_s: float
+    feasible: bool
+    why: list = field(default_factory=list)
+    memory: dict = field(default_factory=dict)      # bytes per tier
+    terms: dict = field(default_factory=dict)       # seconds per term, per token / per prompt
+    notes: list = field(default_factory=list)       # extrapolations and assumptions used
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _gpu(profile) -> bool:
+    return bool(profile["host"]["hard"].get("gpu_name"))
+
+
+def _iops(profile, depth: int) -> float | None:
+    pts = profile["measurements"].get("nvme_randread_4k")
+    if not isinstance(pts, list) or not pts:
+        return None
+    best = [p for p in pts if p["qd"] <= depth] or [min(pts, key=lambda p: p["qd"])]
+    return float(max(best, key=lambda p: p["qd"])["iops"])
+
+
+def _contended(profile, geometry):
+    """(cpu_gbs, gather_gbs) when both run at once, from the contended pair if measured."""
+    for pair in profile["measurements"].get("contended", []):
+        if pair.get("pair") == "cpu_moe+pcie_gather":
+            c, g = pair.get("cpu_moe_gbs", {}), pair.get("pcie_gather_gbs", {})
+            if "median" in c and "median" in g:
+                return float(c["median"]), float(g["median"])
+    return None
+
+
+def predict(plan: Plan, profile: dict, fp: Footprint, wl: Workload, allow_inexact: bool = False) -> Prediction:
+    why, notes, terms = [], [], {}
+    gpu = _gpu(profile)
+    L, K, E, eb = fp.num_layers, fp.top_k, fp.n_routed_experts, fp.expert_bytes
+    cpu_gbs, note = cpu_moe_figure(profile, fp.geometry)
+    if note:
+        notes.append(note)
+    dram = figure(profile, "dram_stream_read_gbs") or cpu_gbs
+    gather = figure(profile, "pcie_gather_gbs") if gpu else None
+    disp = (figure(profile, "moe_dispatch_fixed_us") or 0.0) * 1e-6
+    gpu_mem = figure(profile, "gpu_mem_gbs") if gpu else None
+    nvme_seq = figure(profile, "nvme_seq_read_gbs")
+
+    # ---------------------------------------------------------------- validity of the plan on this host
+    if not gpu and (plan.moe_strategy != "cpu" or plan.slot_cache_experts or plan.prefill_moe_path == "device"):
+        why.append("no GPU on this host: moe_strategy must be cpu, no slot cache, prefill on the CPU")
+    if plan.prefill_mode == "bounded_replay" and not allow_inexact:
+        why.append("prefill_mode bounded_replay changes output: allow inexact prefill to choose it")
+    if wl.prompt_tokens + wl.max_tokens > plan.max_context:
+        why.append(f"prompt + output ({wl.prompt_tokens + wl.max_tokens}) exceed max_context ({plan.max_context})")
+    if plan.dspark and not fp.dspark_num_layers:
+        why.append("dspark on but the checkpoint has no drafter")
+
+    # ---------------------------------------------------------------- memory
+    routed_all = fp.routed_expert_bytes_total
+    budget = routed_all if plan.host_expert_budget_gib is None else min(routed_all, plan.host_expert_budget_gib * GIB)
+    q_nvme = 1 - budget / routed_all if routed_all else 0.0
+    slots_bytes = plan.slot_cache_experts * eb
+    kv = fp.kv_bytes_per_token * plan.max_context
+    peak = INDEXER_B_PER_SCORE * plan.prefill_chunk * fp.n_blocks_max(plan.max_context)
+    drafter = fp.bytes_by_class["drafter"] if plan.dspark else 0
+    dense_dev = fp.dense_bytes_per_token + fp.bytes_by_class["embeddings"] // 2   # + embedding table
+    vram = dense_dev + kv + GRAPHS_BYTES + peak + plan.prefill_buffer_mib * (1 << 20) + slots_bytes + drafter if gpu else 0
+    vram_cap = (plan.vram_budget_gib * GIB if plan.vram_budget_gib is not None
+                else profile["host"]["hard"]["gpu_vram_gib"] * GIB if gpu else 0)
+    if gpu and vram > vram_cap * (1 - VRAM_MARGIN):
+        why.append(f"VRAM {vram / GIB:.2f} GiB exceeds the budget {vram_cap / GIB:.2f} GiB less {VRAM_MARGIN:.0%} margin "
+                   f"(indexer peak {peak / GIB:.2f} GiB at chunk {plan.prefill_chunk})")
+    rows = fp.engram_rows_total
+    engram_host = {"host": fp.engram_bytes_total,
+                   "nvme_direct": (rows * 8 if plan.engram_scales_in_ram else 0) + plan.engram_row_cache_mib * (1 << 20),
+                   "nvme_mmap": (rows * 8 if plan.engram_scales_in_ram else 0)}[plan.engram_placement] if rows else 0
+    host_dense = 0 if gpu else fp.dense_bytes_per_token + fp.bytes_by_class["embeddings"]
+    pinned = budget if gpu and plan.moe_strategy != "cpu" else 0
+    host = budget + engram_host + host_dense + fp.bytes_by_class["drafter"] * plan.dspark + OS_HEADROOM
+    ram = profile["host"]["hard"]["ram_gib"] * GIB
+    if host > ram:
+        why.append(f"host RAM {host / GIB:.1f} GiB exceeds {ram / GIB:.1f} GiB (routed experts resident "
+                   f"{budget / GIB:.1f} GiB, Engram {engram_host / GIB:.1f} GiB, OS headroom {OS_HEADROOM / GIB:.0f} GiB assumed)")
+    page_cache = max(0.0, ram - host)
+    if q_nvme > 0 and nvme_seq is None:
+        why.append("experts beyond the host budget need an NVMe figure (nvme_seq_read_gbs) this profile lacks")
+    if rows and plan.engram_placement != "host" and _iops(profile, plan.engram_io_depth) is None:
+        why.append("Engram on NVMe needs nvme_randread_4k figures this profile lacks")
+    memory = {"vram": vram, "vram_cap": vram_cap, "indexer_peak": peak, "kv": kv, "slots": slots_bytes,
+              "host": host, "pinned": pinned, "pageable": host - pinned, "page_cache_left": page_cache,
+              "disk": fp.total_bytes}
+
+    # ---------------------------------------------------------------- decode
+    h = min(1.0, plan.slot_cache_experts / (L * E)) if gpu else 0.0
+    def moe_time(n_experts_per_layer):
+        """Seconds for one step's routed experts when each layer reads n distinct experts."""
+        miss = n_experts_per_layer * L * (1 - h) * eb
+        from_nvme = q_nvme * miss / (nvme_seq * 1e9) if q_nvme and nvme_seq else 0.0
+        hits = n_experts_per_layer * L * h * eb / (gpu_mem * 1e9) if gpu and gpu_mem else 0.0
+        if plan.moe_strategy == "cpu":
+            t = miss / (cpu_gbs * 1e9)
+        elif plan.moe_strategy == "offload":
+            t = miss / ((gather or 1e-9) * 1e9)
+        else:
+            c = _contended(profile, fp.geometry) or (cpu_gbs, gather or 1e-9)
+            f = plan.fetch_fraction
+            t = max(f * miss / (c[1] * 1e9), (1 - f) * miss / (c[0] * 1e9))
+        return t + from_nvme + hits + L * disp
+    dense_bw = (gpu_mem if gpu and gpu_mem else dram) * 1e9
+    t_dense = fp.dense_bytes_per_token / dense_bw
+    t_moe = moe_time(K)
+    t_layer = (t_moe + t_dense) / max(L, 1)
+    t_engram = 0.0
+    if rows and plan.engram_placement != "host":
+        iops = _iops(profile, plan.engram_io_depth) or 1.0
+        t_io = ENGRAM_ROWS_PER_LAYER * (1 if plan.engram_scales_in_ram else 2) / iops
+        t_engram = sum(max(0.0, t_io - t_layer * l) for l in fp.engram_layer_ids)
+    t_token = t_moe + t_dense + t_engram
+    terms.update(decode_moe_s=t_moe, decode_dense_s=t_dense, decode_engram_wait_s=t_engram, hit_rate=h,
+                 nvme_share=q_nvme, cpu_moe_gbs=cpu_gbs)
+    tok_s = 1 / t_token
+    if plan.dspark:
+        d, p = plan.draft_length, DSPARK_P_ACCEPT
+        accepted = (1 - p ** (d + 1)) / (1 - p)
+        union = E * (1 - (1 - K / E) ** (d + 1))
+        t_verify = moe_time(union) + t_dense * (1 + 0.1 * d)
+        drafter_bytes = fp.dspark_num_layers * (K + 1) * fp.drafter_expert_bytes // max(1, 3 * fp.dspark_num_layers) if fp.dspark_num_layers else 0
+        t_draft = d * drafter_bytes / dense_bw
+        tok_s = accepted / (t_verify + t_draft)
+        terms.update(dspark_accepted=accepted, dspark_union_experts=union, dspark_verify_s=t_verify, dspark_draft_s=t_draft)
+        notes.append(f"DSpark acceptance p={DSPARK_P_ACCEPT} per token is assumed until measured")
+
+    # ---------------------------------------------------------------- prefill (TTFT)
+    P, H, I = wl.prompt_tokens, fp.hidden_size, fp.moe_intermediate_size
+    flops_cpu = (figure(profile, "matmul_tflops") or 0.1) * 1e12
+    flops_dev = (figure(profile, "gpu_tflops") or 0) * 1e12
+
+    def pass_time(tokens, layers):
+        if tokens <= 0 or layers <= 0:
+            return 0.0
+        chunks = math.ceil(tokens / plan.prefill_chunk)
+        t = 0.0
+        for c in range(chunks):
+            n = min(plan.prefill_chunk, tokens - c * plan.prefill_chunk)
+            u = 1 - (1 - K / E) ** n
+            nbytes = u * E * eb * layers
+            flop = 2 * 3 * H * I * K * n * layers
+            if plan.prefill_moe_path == "device" and gpu:
+                h2d = figure(profile, "pcie_h2d_gbs") or gather or 1.0
+                t += max(nbytes / (h2d * 1e9), flop / max(flops_dev, 1.0)) + layers * disp
+            else:
+                t += max(nbytes / (cpu_gbs * 1e9), flop / flops_cpu) + layers * disp
+        return t
+
+    enc = fp.num_encoder_layers
+    if plan.prefill_mode == "bounded_replay" and enc:
+        t_prefill = pass_time(P, enc) + pass_time(min(P, fp.window_size), L - enc)
+    else:
+        t_prefill = pass_time(P, L)
+    t_dense_prefill = 2 * fp.dense_bytes_per_token * P / max(flops_dev if gpu else flops_cpu, 1.0)
+    t_engram_prefill = 0.0
+    if rows and plan.engram_placement != "host":
+        iops = _iops(profile, plan.engram_io_depth) or 1.0
+        t_engram_prefill = len(fp.engram_layer_ids) * ENGRAM_ROWS_PER_LAYER * P / iops
+    compute = t_prefill + t_dense_prefill
+    ttft = max(compute, t_engram_prefill)           # every Engram read is issued before the forward pass
+    terms.update(prefill_moe_s=t_prefill, prefill_dense_s=t_dense_prefill, prefill_engram_io_s=t_engram_prefill)
+    if wl.ttft_budget_s is not None and ttft > wl.ttft_budget_s:
+        notes.append(f"TTFT {ttft:.1f} s is over the budget {wl.ttft_budget_s} s")
+    return Prediction(tok_s, ttft, not why, why, memory, terms, notes)

@@ -1,0 +1,158 @@
+"""Host profiles: one versioned schema for every file in profiles/ (docs/profile-schema.md).
+
+A profile is `{schema, host: {name, hard, soft}, measurements, plan?, predicted?, validation?}`.
+Every scalar measurement is `{median, min, max, samples, unit, source}` with source `measured`,
+`published` (+ `citation`), `formula` (+ `formula`) or `assumed` (flagged in every output); a probe that
+could not run is `{skipped: reason}`, never a zero. Reads validate and name the file and key; writes
+are atomic (temp file + rename).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+SCHEMA = "dsv41-profile/1"
+SOURCES = ("measured", "published", "formula", "assumed")
+HARD_FIELDS = ("cpu_model", "isa", "physical_cores", "numa_nodes", "ram_gib", "gpu_name", "gpu_vram_gib", "pcie_link")
+SCALAR_KEYS = ("dram_stream_read_gbs", "pcie_h2d_gbs", "pcie_d2h_gbs", "pcie_gather_gbs", "moe_dispatch_fixed_us",
+               "nvme_seq_read_gbs", "matmul_tflops")
+OPTIONAL_SCALARS = ("gpu_mem_gbs", "gpu_tflops")
+
+
+class ProfileError(ValueError):
+    """A profile file breaks the schema; the message names the file and the key."""
+
+
+def _check_figure(v, where, src):
+    if not isinstance(v, dict):
+        raise ProfileError(f"{src}: '{where}' must be an object, got {type(v).__name__}")
+    if "skipped" in v:
+        if not isinstance(v["skipped"], str) or not v["skipped"]:
+            raise ProfileError(f"{src}: '{where}.skipped' must give the reason")
+        return
+    for k in ("median", "unit", "source"):
+        if k not in v:
+            raise ProfileError(f"{src}: '{where}' lacks '{k}'")
+    if not isinstance(v["median"], (int, float)) or isinstance(v["median"], bool):
+        raise ProfileError(f"{src}: '{where}.median' must be a number")
+    if v["source"] not in SOURCES:
+        raise ProfileError(f"{src}: '{where}.source' must be one of {SOURCES}, got {v['source']!r}")
+    if v["source"] == "published" and not v.get("citation"):
+        raise ProfileError(f"{src}: '{where}' is published but has no 'citation'")
+    if v["source"] == "formula" and not v.get("formula"):
+        raise ProfileError(f"{src}: '{where}' is a formula but does not state it ('formula')")
+    if v["source"] == "measured" and not v.get("samples"):
+        raise ProfileError(f"{src}: '{where}' is measured but keeps no raw 'samples'")
+
+
+def validate(d: dict, src: str = "profile") -> dict:
+    if not isinstance(d, dict):
+        raise ProfileError(f"{src}: a profile must be a JSON object")
+    if d.get("schema") != SCHEMA:
+        raise ProfileError(f"{src}: 'schema' is {d.get('schema')!r}, this version reads {SCHEMA!r}")
+    host = d.get("host")
+    if not isinstance(host, dict) or not isinstance(host.get("hard"), dict):
+        raise ProfileError(f"{src}: 'host.hard' (the fingerprint) is missing")
+    for k in HARD_FIELDS:
+        if k not in host["hard"]:
+            raise ProfileError(f"{src}: 'host.hard.{k}' is missing")
+    m = d.get("measurements")
+    if not isinstance(m, dict):
+        raise ProfileError(f"{src}: 'measurements' is missing")
+    for k in SCALAR_KEYS:
+        if k not in m:
+            raise ProfileError(f"{src}: 'measurements.{k}' is missing (use {{\"skipped\": reason}} if it could not run)")
+        _check_figure(m[k], f"measurements.{k}", src)
+    for k in OPTIONAL_SCALARS:
+        if k in m:
+            _check_figure(m[k], f"measurements.{k}", src)
+    if not isinstance(m.get("cpu_moe_gbs"), list) or not m["cpu_moe_gbs"]:
+        raise ProfileError(f"{src}: 'measurements.cpu_moe_gbs' must be a non-empty list")
+    for i, e in enumerate(m["cpu_moe_gbs"]):
+        _check_figure(e, f"measurements.cpu_moe_gbs[{i}]", src)
+        if "geometry" not in e:
+            raise ProfileError(f"{src}: 'measurements.cpu_moe_gbs[{i}].geometry' is missing")
+    for i, pair in enumerate(m.get("contended", [])):
+        if not isinstance(pair, dict) or "pair" not in pair:
+            raise ProfileError(f"{src}: 'measurements.contended[{i}]' needs 'pair' and each side's figure")
+        for k, v in pair.items():
+            if k not in ("pair", "geometry", "note"):
+                _check_figure(v, f"measurements.contended[{i}].{k}", src)
+    nv = m.get("nvme_randread_4k")
+    if not isinstance(nv, (list, dict)):
+        raise ProfileError(f"{src}: 'measurements.nvme_randread_4k' must be a list of depth points or {{skipped}}")
+    if isinstance(nv, dict):
+        _check_figure(nv, "measurements.nvme_randread_4k", src)
+    else:
+        for i, e in enumerate(nv):
+            for k in ("qd", "iops", "p50_us", "p95_us", "path"):
+                if k not in e:
+                    raise ProfileError(f"{src}: 'measurements.nvme_randread_4k[{i}].{k}' is missing")
+            if isinstance(e["path"], str) and e["path"].startswith("/") and host.get("shipped", False):
+                raise ProfileError(f"{src}: a shipped profile records an absolute path in nvme_randread_4k[{i}]")
+    return d
+
+
+def load_profile(path) -> dict:
+    path = Path(path)
+    try:
+        d = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ProfileError(f"{path}: no such profile") from None
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    return validate(d, str(path))
+
+
+def save_profile(path, d: dict) -> None:
+    """Validate, then write atomically: a reader sees the old file or the new one, never half."""
+    validate(d, str(path))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(d, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------ reading figures
+def figure(profile: dict, key: str) -> float | None:
+    """The median of a scalar measurement, None when skipped or absent."""
+    v = profile["measurements"].get(key)
+    if not isinstance(v, dict) or "skipped" in v:
+        return None
+    return float(v["median"])
+
+
+def assumed_keys(profile: dict) -> list[str]:
+    """Every figure whose source is `assumed` (to flag in outputs)."""
+    out = []
+    def walk(v, where):
+        if isinstance(v, dict):
+            if v.get("source") == "assumed":
+                out.append(where)
+            for k, x in v.items():
+                walk(x, f"{where}.{k}" if where else k)
+        elif isinstance(v, list):
+            for i, x in enumerate(v):
+                walk(x, f"{where}[{i}]")
+    walk(profile["measurements"], "measurements")
+    return out
+
+
+def cpu_moe_figure(profile: dict, geometry: str, tokens: int = 1, threads: int | None = None):
+    """CPU-MoE GB/s for this expert geometry at batch `tokens` (best over threads unless given).
+    -> (gbs, note); note says so when the figure was measured at another geometry (extrapolation)."""
+    rows = [e for e in profile["measurements"]["cpu_moe_gbs"] if "skipped" not in e]
+    if threads is not None:
+        rows = [e for e in rows if e.get("threads") == threads] or rows
+    same = [e for e in rows if e["geometry"] == geometry and e.get("tokens", 1) == tokens] or \
+           [e for e in rows if e["geometry"] == geometry]
+    if same:
+        best = max(same, key=lambda e: e["median"])
+        return float(best["median"]), ""
+    best = max(rows, key=lambda e: e["median"])
+    return float(best["median"]), f"cpu_moe_gbs extrapolated from geometry {best['geometry']} to {geometry}"

@@ -1,0 +1,130 @@
+"""Offline plan search: an Optuna study over Plans scored by the cost model.
+
+NSGA-II (Optuna's own sampler, used directly) over the plan knobs, two objectives (maximize decode
+tok/s, minimize TTFT) and the budgets as trial constraints (`Trial.set_constraint`, Optuna 5's successor of
+`constraints_func`; a value > 0 is a violation),
+so infeasible trials never enter the Pareto front. Thousands of cost-model trials take seconds in
+memory (NSGA-II; multi-objective TPE was ~65x slower on a toy objective here). Any Optuna storage URL
+persists the study, so a rerun resumes and several hosts can share one storage: one study per
+host x geometry x workload (`study_name`). The pick: the highest tok/s among feasible plans whose
+TTFT meets the budget (or all feasible plans when there is none), ties to the lower TTFT.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import optuna
+
+from autotune.costmodel import Prediction, predict
+from runtime.checkpoint.footprint import Footprint
+from runtime.plan import Plan
+from runtime.workload import Workload
+
+CHUNKS = (256, 512, 1024, 2048, 4096, 8192, 16384)
+CONTEXTS = (8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576)
+
+
+def study_name(profile: dict, fp: Footprint, wl: Workload, vram_budget_gib, allow_inexact) -> str:
+    key = json.dumps([profile["host"]["hard"], fp.geometry_hash, wl.prompt_tokens, wl.max_tokens, wl.ttft_budget_s,
+                      vram_budget_gib, allow_inexact], sort_keys=True)
+    return f"dsv41-{profile['host'].get('name', 'host')}-{fp.model}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+
+
+def suggest_plan(trial: optuna.Trial, profile: dict, fp: Footprint, wl: Workload, vram_budget_gib, allow_inexact) -> Plan:
+    gpu = bool(profile["host"]["hard"].get("gpu_name"))
+    cores = int(profile["host"]["hard"]["physical_cores"])
+    need = wl.prompt_tokens + wl.max_tokens
+    contexts = [c for c in CONTEXTS if c >= need] or [need]
+    kw = dict(
+        moe_strategy=trial.suggest_categorical("moe_strategy", ["cpu", "offload", "hybrid"] if gpu else ["cpu"]),
+        fetch_fraction=trial.suggest_float("fetch_fraction", 0.0, 1.0, step=0.05),
+        slot_cache_experts=trial.suggest_int("slot_cache_experts", 0, 4000 if gpu else 0, step=25 if gpu else 1),
+        cpu_threads=trial.suggest_int("cpu_threads", 1, cores),
+        host_expert_budget_gib=trial.suggest_float("host_expert_budget_gib", 0.0, max(1.0, fp.routed_expert_bytes_total / 2**30)),
+        prefill_chunk=trial.suggest_categorical("prefill_chunk", list(CHUNKS)),
+        prefill_mode=trial.suggest_categorical("prefill_mode", ["full", "bounded_replay"] if allow_inexact else ["full"]),
+        prefill_moe_path=trial.suggest_categorical("prefill_moe_path", ["cpu", "device"] if gpu else ["cpu"]),
+        max_context=trial.suggest_categorical("max_context", contexts),
+        vram_budget_gib=vram_budget_gib,
+        engram_placement=trial.suggest_categorical("engram_placement", ["host", "nvme_direct", "nvme_mmap"] if fp.engram_rows_total else ["host"]),
+        engram_io_depth=trial.suggest_categorical("engram_io_depth", [1, 2, 4, 8, 16, 32, 64]),
+        engram_row_cache_mib=trial.suggest_categorical("engram_row_cache_mib", [0, 256, 1024, 4096]),
+        dspark=trial.suggest_categorical("dspark", [False, True] if fp.dspark_num_layers else [False]),
+        draft_length=trial.suggest_int("draft_length", 1, 5),
+        geometry_hash=fp.geometry_hash,
+    )
+    if kw["host_expert_budget_gib"] >= fp.routed_expert_bytes_total / 2**30 * 0.999:
+        kw["host_expert_budget_gib"] = None
+    return Plan(**kw)
+
+
+def _penalties(pred: Prediction) -> list[float]:
+    return [0.0] if pred.feasible else [1.0 + len(pred.why)]
+
+
+def search(profile: dict, fp: Footprint, wl: Workload, n_trials: int = 2000, storage=None, seed: int = 0,
+           vram_budget_gib=None, allow_inexact: bool = False, progress=None):
+    """-> (study, results): results = [(plan, prediction)] for every feasible trial, best first."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    sampler = optuna.samplers.NSGAIISampler(seed=seed)
+    study = optuna.create_study(study_name=study_name(profile, fp, wl, vram_budget_gib, allow_inexact), storage=storage,
+                                sampler=sampler, directions=["maximize", "minimize"], load_if_exists=True)
+    done = len(study.trials)
+
+    def objective(trial):
+        plan = suggest_plan(trial, profile, fp, wl, vram_budget_gib, allow_inexact)
+        pred = predict(plan, profile, fp, wl, allow_inexact=allow_inexact)
+        trial.set_constraint("budgets", _penalties(pred)[0])    # > 0: infeasible (budgets, host limits)
+        trial.set_user_attr("constraints", _penalties(pred))
+        trial.set_user_attr("plan", plan.to_dict())
+        if not pred.feasible:
+            trial.set_user_attr("why", [w.split(" (")[0] for w in pred.why])
+        if progress:
+            progress(trial.number - done + 1, n_trials)
+        return pred.decode_tok_s, pred.ttft_s
+
+    if n_trials > done:
+        study.optimize(objective, n_trials=n_trials - done)
+    return study, ranked(study, profile, fp, wl, allow_inexact)
+
+
+def ranked(study, profile, fp, wl, allow_inexact=False):
+    """Feasible plans, best first by the user's rule (TTFT budget, then tok/s, then TTFT)."""
+    seen, out = set(), []
+    for t in study.trials:
+        if t.state != optuna.trial.TrialState.COMPLETE or t.user_attrs.get("constraints", [1])[0] > 0:
+            continue
+        key = json.dumps(t.user_attrs["plan"], sort_keys=True)
+        if key in seen:
+            continue
+        seen.add(key)
+        plan = Plan.from_dict(t.user_attrs["plan"])
+        out.append((plan, predict(plan, profile, fp, wl, allow_inexact=allow_inexact)))
+    budget = wl.ttft_budget_s
+    within = [r for r in out if budget is None or r[1].ttft_s <= budget]
+    pool = within or out
+    pool.sort(key=lambda r: (-r[1].decode_tok_s, r[1].ttft_s))
+    rest = [r for r in out if r not in pool]
+    rest.sort(key=lambda r: (-r[1].decode_tok_s, r[1].ttft_s))
+    return pool + rest
+
+
+def runner_up(results):
+    """The best plan that differs from the pick in a knob that matters (not only in unused ones)."""
+    def key(p):
+        return (p.moe_strategy, p.slot_cache_experts, p.prefill_chunk, p.prefill_mode, p.engram_placement,
+                p.dspark and p.draft_length, p.host_expert_budget_gib is None)
+    for r in results[1:]:
+        if key(r[0]) != key(results[0][0]):
+            return r
+    return results[1] if len(results) > 1 else None
+
+
+def pareto(results):
+    """The tok/s-vs-TTFT Pareto front of (plan, prediction) pairs."""
+    front = []
+    for p, r in sorted(results, key=lambda x: (x[1].ttft_s, -x[1].decode_tok_s)):
+        if not front or r.decode_tok_s > front[-1][1].decode_tok_s:
+            front.append((p, r))
+    return front

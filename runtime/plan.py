@@ -1,0 +1,103 @@
+"""Plan: the execution plan the search produces and the runtime consumes (an immutable value).
+
+A plan file is exactly the `plan` member of a profile (docs/profile-schema.md). Every knob is a field
+with its default here, the one source of truth (CLIs read their defaults from this class). Knobs
+marked exact never change greedy output; `prefill_mode = "bounded_replay"` is the opt-in that does
+(the decoder replays only the last window of the prompt) and is chosen only when inexact prefill is
+allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+STRATEGIES = ("cpu", "offload", "hybrid")
+PLACEMENTS = ("host", "nvme_direct", "nvme_mmap")
+NVME_PATHS = ("nvme_direct", "nvme_mmap")
+PREFILL_MODES = ("full", "bounded_replay")
+PREFILL_MOE_PATHS = ("cpu", "device")
+
+
+class PlanError(ValueError):
+    """A plan field is out of range or inconsistent; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    moe_strategy: str = "cpu"             # cpu: misses computed on the CPU; offload: gathered to the device; hybrid: split
+    fetch_fraction: float = 0.5           # hybrid: share of each layer's misses gathered to the device
+    slot_cache_experts: int = 0           # device slot cache size (experts, all layers together), LRU
+    cpu_threads: int = 0                  # CPU-MoE threads; 0 = one per physical core
+    host_expert_budget_gib: float | None = None   # routed experts kept in host RAM; None = all; the rest on NVMe
+    expert_nvme_path: str = "nvme_direct"  # how experts beyond the budget are read
+    prefill_chunk: int = 512              # prompt tokens per prefill chunk
+    prefill_mode: str = "full"            # full (exact) | bounded_replay (inexact opt-in)
+    prefill_moe_path: str = "cpu"         # cpu: compute on the CPU; device: stream the banks to the device
+    prefill_buffer_mib: int = 0           # device staging buffer for the streamed prefill path
+    max_context: int = 32768              # KV pool (tokens)
+    vram_budget_gib: float | None = None  # enforced; None = the device's memory
+    engram_placement: str = "host"        # host | nvme_direct | nvme_mmap
+    engram_io_depth: int = 8              # outstanding Engram reads
+    engram_row_cache_mib: int = 0         # host row cache in front of NVMe reads
+    engram_scales_in_ram: bool = True     # keep the 8 B/row scales resident: one read per row instead of two
+    dspark: bool = False                  # speculative decoding with the DSpark drafter
+    draft_length: int = 2                 # draft tokens per step when dspark is on
+    geometry_hash: str = ""               # the model geometry this plan was made for ("" = unbound)
+
+    def __post_init__(self):
+        def bad(field, why):
+            raise PlanError(f"plan field '{field}' {why}")
+        for name, allowed in (("moe_strategy", STRATEGIES), ("engram_placement", PLACEMENTS),
+                              ("expert_nvme_path", NVME_PATHS), ("prefill_mode", PREFILL_MODES),
+                              ("prefill_moe_path", PREFILL_MOE_PATHS)):
+            if getattr(self, name) not in allowed:
+                bad(name, f"must be one of {allowed}, got {getattr(self, name)!r}")
+        if not 0.0 <= self.fetch_fraction <= 1.0:
+            bad("fetch_fraction", f"must be in [0, 1], got {self.fetch_fraction}")
+        for name in ("slot_cache_experts", "cpu_threads", "prefill_buffer_mib", "engram_row_cache_mib"):
+            if getattr(self, name) < 0:
+                bad(name, f"must be >= 0, got {getattr(self, name)}")
+        for name in ("prefill_chunk", "max_context", "engram_io_depth"):
+            if getattr(self, name) < 1:
+                bad(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.dspark and not 1 <= self.draft_length <= 16:
+            bad("draft_length", f"must be in [1, 16] with dspark on, got {self.draft_length}")
+        for name in ("host_expert_budget_gib", "vram_budget_gib"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                bad(name, f"must be >= 0 or null, got {v}")
+
+    @property
+    def exact(self) -> bool:
+        return self.prefill_mode == "full"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def replace(self, **kw) -> "Plan":
+        return dataclasses.replace(self, **kw)
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "plan") -> "Plan":
+        if not isinstance(d, dict):
+            raise PlanError(f"{source}: a plan must be a JSON object")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise PlanError(f"{source}: unknown plan field '{unknown[0]}'")
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise PlanError(f"{source}: {e}") from None
+
+    @classmethod
+    def load(cls, path) -> "Plan":
+        """A plan file, or a profile file (its `plan` member)."""
+        from pathlib import Path
+        d = json.loads(Path(path).read_text())
+        if isinstance(d, dict) and "plan" in d and "host" in d:
+            d = d["plan"]
+            if d is None:
+                raise PlanError(f"{path}: the profile holds no plan")
+        return cls.from_dict(d, source=str(path))

@@ -1,0 +1,163 @@
+"""The cost model against what was published for the 5090-epyc host, and the seed's memory story."""
+import copy
+import json
+
+import pytest
+
+from autotune.cli import main as tune_main
+from autotune.costmodel import INDEXER_B_PER_SCORE, predict
+from autotune.profile import ProfileError, assumed_keys, load_profile, save_profile
+from autotune.search import search
+from runtime.checkpoint.footprint import Footprint
+from runtime.config import ModelConfig
+from runtime.plan import Plan, PlanError
+from runtime.workload import Workload
+
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def epyc():
+    return load_profile("profiles/5090-epyc.json")
+
+
+@pytest.fixture(scope="module")
+def v41():
+    return Footprint.from_config(ModelConfig.preset("deepseek-v4.1-flash"))
+
+
+@pytest.fixture(scope="module")
+def v4():
+    return Footprint.from_config(ModelConfig.preset("deepseek-v4-flash"))
+
+
+def test_shipped_profile_has_sources_and_flags_assumptions(epyc):
+    assert epyc["measurements"]["dram_stream_read_gbs"]["source"] == "published"
+    assert epyc["measurements"]["cpu_moe_gbs"][0]["geometry"] == "4096x2048"
+    a = assumed_keys(epyc)
+    assert "measurements.contended[0].cpu_moe_gbs" in a and "measurements.nvme_seq_read_gbs" in a
+    assert "/" not in json.dumps(epyc["measurements"]["nvme_randread_4k"]).split('"path": "')[1][:1]
+
+
+def test_v4_flash_decode_reproduces_the_published_serving_figure(epyc, v4):
+    # the published bench figures in, serving out: 24.5-26.9 tok/s measured; within 15%
+    lo, hi = 24.5 * 0.85, 26.9 * 1.15
+    freetoken_like = Plan(moe_strategy="cpu", slot_cache_experts=0, max_context=32768)
+    assert lo <= predict(freetoken_like, epyc, v4, Workload(1024, 64)).decode_tok_s <= hi
+    _, results = search(epyc, v4, Workload(1024, 64), n_trials=400)
+    assert lo <= results[0][1].decode_tok_s <= hi
+
+
+def test_v41_on_that_host_19_tok_s_if_resident_but_it_does_not_fit(epyc, v41):
+    roomy = copy.deepcopy(epyc)
+    roomy["host"]["hard"]["ram_gib"] = 1024
+    resident = Plan(moe_strategy="cpu", engram_placement="nvme_direct", max_context=32768)
+    r = predict(resident, roomy, v41, Workload(1024, 64))
+    assert r.feasible and 19 * 0.85 <= r.decode_tok_s <= 19 * 1.15
+    assert any("cpu_moe_gbs extrapolated" in n for n in r.notes)
+    on_251 = predict(resident, epyc, v41, Workload(1024, 64))
+    assert not on_251.feasible and "host RAM" in on_251.why[0]
+    tier = predict(resident.replace(host_expert_budget_gib=200), epyc, v41, Workload(1024, 64))
+    assert tier.feasible and tier.decode_tok_s < r.decode_tok_s / 2 and tier.terms["nvme_share"] > 0.2
+
+
+def test_seed_memory_story_as_formulas(epyc, v41):
+    assert 263 * v41.expert_bytes / GIB == pytest.approx(4.605, abs=0.001)           # with scales
+    assert 263 * 3 * 5120 * 2304 // 2 / GIB == pytest.approx(4.334, abs=0.001)      # the seed's codes-only figure
+    plan = Plan(slot_cache_experts=263, max_context=1 << 20, prefill_chunk=256, engram_placement="nvme_direct")
+    mem = predict(plan, epyc, v41, Workload(1024, 64)).memory
+    assert mem["slots"] == 263 * 18_800_640
+    assert mem["kv"] == 890 * 2 ** 20 and 0.89e9 <= mem["kv"] <= 0.94e9
+    host_nvme = predict(plan, epyc, v41, Workload(1024, 64)).memory["host"]
+    host_res = predict(plan.replace(engram_placement="host"), epyc, v41, Workload(1024, 64)).memory["host"]
+    assert host_res - host_nvme == v41.engram_bytes_total - v41.engram_rows_total * 8   # scales stay in RAM
+    assert 270 < host_nvme / GIB < 300 and 450 < host_res / GIB < 490                  # seed: ~293 vs ~482 GiB
+
+
+def test_indexer_peak_binds_the_chunk_ratio_1_layers_included(epyc, v41):
+    assert v41.n_blocks_max(1 << 20) == 1 << 20                                     # layers 20-39 keep every position
+    wl = Workload(1024, 64)
+    big = Plan(max_context=1 << 20, prefill_chunk=16384, engram_placement="nvme_direct", host_expert_budget_gib=200)
+    r = predict(big, epyc, v41, wl)
+    assert r.memory["indexer_peak"] == INDEXER_B_PER_SCORE * 16384 * (1 << 20)      # 96 GiB: SGLang's figure
+    assert not r.feasible and "indexer peak" in r.why[0]
+    assert predict(big.replace(prefill_chunk=256), epyc, v41, wl).feasible
+
+
+def test_search_never_returns_an_infeasible_plan_and_vram_budget_changes_the_pick(epyc, v41):
+    wl = Workload(4096, 64)
+    _, full = search(epyc, v41, wl, n_trials=400)
+    _, small = search(epyc, v41, wl, n_trials=400, vram_budget_gib=16)
+    assert full and small and all(r.feasible for _, r in full + small)
+    assert all(r.memory["vram"] <= 16 * GIB * 0.95 for _, r in small)
+    assert small[0][0].slot_cache_experts < full[0][0].slot_cache_experts
+
+
+def test_bounded_replay_only_when_allowed(epyc, v41):
+    plan = Plan(prefill_mode="bounded_replay", engram_placement="nvme_direct", host_expert_budget_gib=200)
+    assert "allow inexact" in predict(plan, epyc, v41, Workload(1024, 64)).why[0]
+    _, res = search(epyc, v41, Workload(8192, 64), n_trials=300)
+    assert all(p.prefill_mode == "full" for p, _ in res)
+
+
+def test_cpu_only_host_gets_cpu_plans(epyc, v41):
+    cpu_only = copy.deepcopy(epyc)
+    cpu_only["host"]["hard"].update(gpu_name="", gpu_vram_gib=0)
+    r = predict(Plan(moe_strategy="offload"), cpu_only, v41, Workload(1024, 64))
+    assert not r.feasible and "no GPU" in r.why[0]
+
+
+def test_plan_cli_json(capsys, tmp_path):
+    assert tune_main(["plan", "--profile", "profiles/5090-epyc.json", "--config", "deepseek-v4.1-flash",
+                      "--json", "--trials", "300", "--prompt-tokens", "2048"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["predicted"]["feasible"] and d["predicted"]["decode_tok_s"] > 0 and d["predicted"]["ttft_s"] > 0
+    assert {"vram", "host", "page_cache_left", "disk"} <= set(d["predicted"]["memory_gib"])
+    p = tmp_path / "plan.json"
+    p.write_text(json.dumps(d["plan"]))
+    assert tune_main(["plan", "--profile", "profiles/5090-epyc.json", "--config", "deepseek-v4.1-flash",
+                      "--json", "--plan", str(p)]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["predicted"]["decode_tok_s"] == pytest.approx(d["predicted"]["decode_tok_s"])
+    assert tune_main(["plan", "--profile", "profiles/5090-epyc.json", "--config", "deepseek-v4-flash", "--plan", str(p)]) == 2
+    assert "geometry" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- schema
+def test_profile_roundtrip_and_atomic_write(epyc, tmp_path):
+    p = tmp_path / "host.json"
+    save_profile(p, epyc)
+    assert load_profile(p) == epyc
+    bad = copy.deepcopy(epyc)
+    del bad["measurements"]["pcie_h2d_gbs"]
+    with pytest.raises(ProfileError, match="measurements.pcie_h2d_gbs"):
+        save_profile(p, bad)
+    assert load_profile(p) == epyc and [x.name for x in tmp_path.iterdir()] == ["host.json"]
+
+
+@pytest.mark.parametrize("mutate,msg", [
+    (lambda d: d["measurements"]["dram_stream_read_gbs"].pop("citation"), "published but has no 'citation'"),
+    (lambda d: d["measurements"]["pcie_h2d_gbs"].pop("formula"), "does not state it"),
+    (lambda d: d["host"]["hard"].pop("gpu_name"), "host.hard.gpu_name"),
+    (lambda d: d.update(schema="dsv41-profile/0"), "schema"),
+    (lambda d: d["measurements"]["cpu_moe_gbs"][0].pop("geometry"), "geometry"),
+])
+def test_profile_schema_errors_named(epyc, tmp_path, mutate, msg):
+    d = copy.deepcopy(epyc)
+    mutate(d)
+    p = tmp_path / "bad.json"
+    p.write_text(json.dumps(d))
+    with pytest.raises(ProfileError, match=msg):
+        load_profile(p)
+
+
+def test_plan_roundtrip_and_errors(tmp_path):
+    plan = Plan(moe_strategy="hybrid", fetch_fraction=0.25, slot_cache_experts=100, dspark=True, draft_length=3)
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    with pytest.raises(PlanError, match="moe_strategy"):
+        Plan(moe_strategy="gpu")
+    with pytest.raises(PlanError, match="unknown plan field 'chunk'"):
+        Plan.from_dict({"chunk": 4})
+    prof = {"host": {"hard": {}}, "plan": plan.to_dict()}
+    (tmp_path / "p.json").write_text(json.dumps(prof))
+    assert Plan.load(tmp_path / "p.json") == plan
