@@ -12,8 +12,10 @@ USER_ERRORS = (ConfigError, CheckpointError, ValueError, FileNotFoundError, Perm
 
 
 def console(stderr: bool = False):
+    """A rich console; when the output is not a terminal (logs, CI) tables get 150 columns, not 80."""
     from rich.console import Console
-    return Console(stderr=stderr, highlight=False)
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(stderr=stderr, highlight=False, width=None if stream.isatty() else 150)
 
 
 def fmt_bytes(n: float) -> str:
