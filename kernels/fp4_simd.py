@@ -79,6 +79,11 @@ class _Decoder:
         return b.bitcast(b.xor(b.bitcast(mag, self.vi), sign), self.vf)
 
 
+def _data_ptrs(context, builder, arg_types, arg_values, which):
+    """The data pointers of the array arguments at positions `which`."""
+    return [context.make_array(arg_types[i])(context, builder, arg_values[i]).data for i in which]
+
+
 def _literal(t):
     """The value of a compile-time integer literal, else None (numba then retries with literals)."""
     return t.literal_value if isinstance(t, types.IntegerLiteral) else None
@@ -99,16 +104,12 @@ def fp4_dot(typingctx, R_t, T_t, lanes_t, codes, c_off, c_stride, scales, s_off,
                      stab, ngroups, out, o_off, o_stride, or_stride)
 
     def codegen(context, builder, signature, args):
-        (_, _, _, codes_a, c_off_v, c_stride_v, scales_a, s_off_v, s_stride_v, x_a, x_off_v, x_stride_v,
-         stab_a, ng, out_a, o_off_v, o_stride_v, or_stride_v) = args
+        (_, _, _, _, c_off_v, c_stride_v, _, s_off_v, s_stride_v, _, x_off_v, x_stride_v,
+         _, ng, _, o_off_v, o_stride_v, or_stride_v) = args
         at = signature.args[3:]
         d = _Decoder(builder, lanes)
         vf, vb = d.vf, ir.VectorType(i8, lanes)
-        cbase = context.make_array(at[0])(context, builder, codes_a).data
-        sbase = context.make_array(at[3])(context, builder, scales_a).data
-        xbase = context.make_array(at[6])(context, builder, x_a).data
-        tbase = context.make_array(at[9])(context, builder, stab_a).data
-        obase = context.make_array(at[11])(context, builder, out_a).data
+        cbase, sbase, xbase, tbase, obase = _data_ptrs(context, builder, at, args[3:], (0, 3, 6, 9, 11))
         half = builder.mul(ng, ir.Constant(i64, 16))
         accs = [[cgutils.alloca_once(builder, vf) for _ in range(T)] for _ in range(R)]
         for row in accs:
@@ -166,14 +167,11 @@ def fp4_dequant(typingctx, lanes_t, codes, c_off, scales, s_off, stab, ngroups, 
     sig = types.void(lanes_t, codes, c_off, scales, s_off, stab, ngroups, out, o_off)
 
     def codegen(context, builder, signature, args):
-        _, codes_a, c_off_v, scales_a, s_off_v, stab_a, ng, out_a, o_off_v = args
+        _, _, c_off_v, _, s_off_v, _, ng, _, o_off_v = args
         at = signature.args[1:]
         d = _Decoder(builder, lanes)
         vf, vb = d.vf, ir.VectorType(i8, lanes)
-        cbase = context.make_array(at[0])(context, builder, codes_a).data
-        sbase = context.make_array(at[2])(context, builder, scales_a).data
-        tbase = context.make_array(at[4])(context, builder, stab_a).data
-        obase = context.make_array(at[6])(context, builder, out_a).data
+        cbase, sbase, tbase, obase = _data_ptrs(context, builder, at, args[1:], (0, 2, 4, 6))
         # interleave lo/hi back to input order: out[2j] = lo[j], out[2j+1] = hi[j]
         mask_lo = [(k // 2) + (lanes if k % 2 else 0) for k in range(lanes)]
         mask_hi = [lanes // 2 + (k // 2) + (lanes if k % 2 else 0) for k in range(lanes)]
