@@ -54,7 +54,8 @@ def cmd_plan(args) -> int:
             plan = plan.replace(vram_budget_gib=args.vram_budget)
         results, study = [(plan, predict(plan, profile, fp, wl, args.allow_inexact_prefill))], None
     else:
-        study, results = search(profile, fp, wl, n_trials=args.trials, storage=args.storage,
+        from autotune.search import default_storage
+        study, results = search(profile, fp, wl, n_trials=args.trials, storage=args.storage or default_storage(),
                                 vram_budget_gib=args.vram_budget, allow_inexact=args.allow_inexact_prefill)
         if not results:
             raise ValueError(f"no feasible plan for {fp.model} on {profile['host'].get('name')}: "
@@ -123,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--allow-inexact-prefill", action="store_true", help="let the search choose bounded_replay")
     pl.add_argument("--plan", help="predict this plan (plan or profile file) instead of searching")
     pl.add_argument("--trials", type=int, default=2000)
-    pl.add_argument("--storage", default=None, help="Optuna storage URL (persist/resume/share the study)")
+    pl.add_argument("--storage", default=None,
+                    help="Optuna storage URL to share studies across hosts (default: a journal file under $DSV41_CACHE)")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(fn=cmd_plan)
     return p

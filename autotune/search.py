@@ -25,6 +25,17 @@ CHUNKS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 CONTEXTS = (8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576)
 
 
+def default_storage():
+    """A journal file under $DSV41_CACHE (default ~/.cache/dsv41): studies persist, a rerun resumes."""
+    import os
+    from pathlib import Path
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+    root = Path(os.environ.get("DSV41_CACHE", Path.home() / ".cache" / "dsv41"))
+    root.mkdir(parents=True, exist_ok=True)
+    return JournalStorage(JournalFileBackend(str(root / "studies.journal")))
+
+
 def study_name(profile: dict, fp: Footprint, wl: Workload, vram_budget_gib, allow_inexact) -> str:
     key = json.dumps([profile["host"]["hard"], fp.geometry_hash, wl.prompt_tokens, wl.max_tokens, wl.ttft_budget_s,
                       vram_budget_gib, allow_inexact], sort_keys=True)
@@ -67,9 +78,16 @@ def search(profile: dict, fp: Footprint, wl: Workload, n_trials: int = 2000, sto
            vram_budget_gib=None, allow_inexact: bool = False, progress=None):
     """-> (study, results): results = [(plan, prediction)] for every feasible trial, best first."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    sampler = optuna.samplers.NSGAIISampler(seed=seed)
-    study = optuna.create_study(study_name=study_name(profile, fp, wl, vram_budget_gib, allow_inexact), storage=storage,
-                                sampler=sampler, directions=["maximize", "minimize"], load_if_exists=True)
+    name = study_name(profile, fp, wl, vram_budget_gib, allow_inexact)
+    # The search runs in memory (a file-backed study pays a write per trial: ~5x slower here); the
+    # persistent study's trials seed it (resume) and the new trials are added to it in one batch.
+    kept = None
+    if storage is not None:
+        kept = optuna.create_study(study_name=name, storage=storage, directions=["maximize", "minimize"], load_if_exists=True)
+    study = optuna.create_study(study_name=name, sampler=optuna.samplers.NSGAIISampler(seed=seed),
+                                directions=["maximize", "minimize"])
+    if kept is not None:
+        study.add_trials(kept.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))
     done = len(study.trials)
 
     def objective(trial):
@@ -86,6 +104,8 @@ def search(profile: dict, fp: Footprint, wl: Workload, n_trials: int = 2000, sto
 
     if n_trials > done:
         study.optimize(objective, n_trials=n_trials - done)
+        if kept is not None:
+            kept.add_trials(study.trials[done:])
     return study, ranked(study, profile, fp, wl, allow_inexact)
 
 

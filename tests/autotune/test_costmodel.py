@@ -107,7 +107,16 @@ def test_cpu_only_host_gets_cpu_plans(epyc, v41):
     assert not r.feasible and "no GPU" in r.why[0]
 
 
-def test_plan_cli_json(capsys, tmp_path):
+def test_study_persists_and_a_rerun_resumes(epyc, v4, tmp_path):
+    url = f"sqlite:///{tmp_path / 'studies.db'}"
+    st1, _ = search(epyc, v4, Workload(1024, 64), n_trials=30, storage=url)
+    st2, res = search(epyc, v4, Workload(1024, 64), n_trials=50, storage=url)
+    assert st1.study_name == st2.study_name and len(st2.trials) == 50     # 30 kept, 20 added
+    assert res and all(r.feasible for _, r in res)
+
+
+def test_plan_cli_json(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("DSV41_CACHE", str(tmp_path / "cache"))
     assert tune_main(["plan", "--profile", "profiles/5090-epyc.json", "--config", "deepseek-v4.1-flash",
                       "--json", "--trials", "300", "--prompt-tokens", "2048"]) == 0
     d = json.loads(capsys.readouterr().out)
