@@ -12,6 +12,8 @@ import json
 import os
 from pathlib import Path
 
+from runtime.config import read_json
+
 SCHEMA = "dsv41-profile/1"
 SOURCES = ("measured", "published", "formula", "assumed")
 HARD_FIELDS = ("cpu_model", "isa", "physical_cores", "numa_nodes", "ram_gib", "gpu_name", "gpu_vram_gib", "pcie_link")
@@ -95,14 +97,7 @@ def validate(d: dict, src: str = "profile") -> dict:
 
 
 def load_profile(path) -> dict:
-    path = Path(path)
-    try:
-        d = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ProfileError(f"{path}: no such profile") from None
-    except json.JSONDecodeError as e:
-        raise ProfileError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    return validate(d, str(path))
+    return validate(read_json(path, ProfileError, "profile"), str(path))
 
 
 def save_profile(path, d: dict) -> None:

@@ -264,20 +264,24 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, path) -> "ModelConfig":
-        path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no such config file") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-        return cls.from_dict(raw, source=str(path))
+        return cls.from_dict(read_json(path, ConfigError, "config file"), source=str(path))
 
     @classmethod
     def preset(cls, name: str) -> "ModelConfig":
         if name not in PRESETS:
             raise ConfigError(f"unknown preset '{name}' (known: {', '.join(PRESETS)})")
         return cls.from_json(PRESET_DIR / f"{name}.json").replace(source=f"preset:{name}")
+
+
+def read_json(path, error: type, what: str):
+    """Parse a JSON file; a missing file or bad JSON raises `error` naming the file (and the line)."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise error(f"{path}: no such {what}") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
 def _check_type(v, kind, key, source):
