@@ -120,6 +120,9 @@ class ModelConfig:
         for i in self.kv_source_layers + self.index_source_layers:
             if self.compress_ratios[i] <= 0:
                 bad("compress_ratios", f"layer {i} is a kv/index source layer but has ratio {self.compress_ratios[i]}")
+        missing = [i for i in self.kv_source_layers if i not in self.index_source_layers]
+        if missing:
+            bad("index_source_layers", f"must include every kv source layer (they write the index keys): missing {missing}")
         if self.kv_source_layers:
             first = self.kv_source_layers[0]
             if self.index_source_layers and self.index_source_layers[0] < first:

@@ -1,0 +1,50 @@
+"""Refuse what does not fit, before loading anything: the request against the plan's context, the
+plan's device bytes against its VRAM budget, the host bytes against this host's available RAM.
+Every refusal names the budget and the shortfall."""
+from __future__ import annotations
+
+import psutil
+
+from runtime.checkpoint.footprint import Footprint
+from runtime.plan import Plan
+
+GIB = 1 << 30
+
+
+class DoesNotFit(ValueError):
+    pass
+
+
+def device_bytes(plan: Plan, fp: Footprint) -> int:
+    """Dense + embeddings + KV pool + slot cache (+ drafter with DSpark): what the device holds."""
+    return int(fp.dense_bytes_per_token + fp.bytes_by_class["embeddings"] // 2 + fp.kv_bytes_per_token * plan.max_context
+               + plan.slot_cache_experts * fp.expert_bytes + (fp.bytes_by_class["drafter"] if plan.dspark else 0))
+
+
+def host_bytes(plan: Plan, fp: Footprint) -> int:
+    routed = fp.routed_expert_bytes_total
+    if plan.host_expert_budget_gib is not None:
+        routed = min(routed, int(plan.host_expert_budget_gib * GIB) // fp.expert_bytes * fp.expert_bytes)
+    engram = fp.engram_bytes_total if plan.engram_placement == "host" else 0
+    return routed + engram + fp.bytes_by_class["shared_expert"]
+
+
+def check_request(plan: Plan, prompt_tokens: int, max_tokens: int) -> None:
+    need = prompt_tokens + max_tokens
+    if need > plan.max_context:
+        raise DoesNotFit(f"prompt ({prompt_tokens}) + max_tokens ({max_tokens}) = {need} tokens exceed the plan's "
+                         f"max_context {plan.max_context} by {need - plan.max_context}")
+
+
+def check_plan(plan: Plan, fp: Footprint, available: int | None = None) -> None:
+    if plan.geometry_hash and plan.geometry_hash != fp.geometry_hash:
+        raise DoesNotFit(f"the plan was made for model geometry {plan.geometry_hash}, this checkpoint is {fp.geometry_hash}")
+    dev = device_bytes(plan, fp)
+    if plan.vram_budget_gib is not None and dev > plan.vram_budget_gib * GIB:
+        raise DoesNotFit(f"the plan needs {dev / GIB:.3f} GiB on the device, over its vram_budget_gib "
+                         f"{plan.vram_budget_gib} by {(dev - plan.vram_budget_gib * GIB) / GIB:.3f} GiB")
+    host = host_bytes(plan, fp)
+    available = psutil.virtual_memory().available if available is None else available
+    if host > available:
+        raise DoesNotFit(f"the plan keeps {host / GIB:.2f} GiB in host RAM, {available / GIB:.2f} GiB are available: "
+                         f"short by {(host - available) / GIB:.2f} GiB (lower host_expert_budget_gib or move Engram to NVMe)")

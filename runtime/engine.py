@@ -1,0 +1,125 @@
+"""The engine: a checkpoint + a Plan -> generate(prompt) with TTFT, tok/s and a phase table.
+
+Prefill runs the prompt in chunks of `plan.prefill_chunk` (mode `full`: every layer over every
+token; `bounded_replay`: the decoder only over the last window_size prompt tokens, inexact, opt-in);
+decode runs one token per step. Sampling is greedy (temperature 0) or temperature sampling from a
+seeded generator. `Engine(..., reference=True)` is the ground truth: float64, every expert
+dequantized with plain torch, the whole prompt in one chunk.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from runtime.budget import check_plan, check_request
+from runtime.checkpoint.reader import Checkpoint
+from runtime.engram_store import HostEngram
+from runtime.experts import PlacedExperts, ReferenceExperts
+from runtime.model.transformer import Model
+from runtime.model.weights import load_dense
+from runtime.plan import Plan
+from runtime.tokenizer import compressed_vocab
+
+
+@dataclass
+class Result:
+    tokens: list
+    ttft_s: float
+    decode_tok_s: float
+    prefill_tok_s: float
+    phases: dict
+    hit_rate: float
+    indexer_peak_bytes: int
+    indexer_peak_formula_bytes: int
+    logits: list = field(default_factory=list, repr=False)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("logits")
+        return d
+
+
+def load_cmap(ck: Checkpoint) -> np.ndarray | None:
+    cfg = ck.config
+    if not cfg.engram_layer_ids:
+        return None
+    path = Path(ck.root) / "tokenizer.json"
+    if not path.exists():
+        raise ValueError(f"{path}: missing; the Engram compressed vocabulary is derived from the tokenizer")
+    cmap = compressed_vocab(Tokenizer.from_file(str(path)))
+    if int(cmap.max()) + 1 != cfg.engram_compressed_vocab_size:
+        raise ValueError(f"{path}: the tokenizer's compressed vocabulary has {int(cmap.max()) + 1} entries, the config's "
+                         f"engram_compressed_vocab_size is {cfg.engram_compressed_vocab_size}: tokenizer and tables disagree")
+    return cmap
+
+
+class Engine:
+    def __init__(self, checkpoint, plan: Plan | None = None, reference: bool = False):
+        self.ck = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+        self.cfg = self.ck.config
+        self.plan = plan or Plan()
+        self.reference = reference
+        if not reference:
+            check_plan(self.plan, self.ck.footprint())
+        dtype = torch.float64 if reference else torch.float32
+        t0 = time.perf_counter()
+        dense = load_dense(self.ck, dtype)
+        self.experts = ReferenceExperts(self.ck) if reference else PlacedExperts(self.ck, self.plan)
+        engram = HostEngram(self.ck) if self.cfg.engram_layer_ids else None
+        self.model = Model(self.cfg, dense, self.experts, engram, load_cmap(self.ck), dtype)
+        self.load_s = time.perf_counter() - t0
+
+    def generate(self, prompt: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0,
+                 keep_logits: bool = False) -> Result:
+        plan, cfg, model = self.plan, self.cfg, self.model
+        check_request(plan, len(prompt), max_tokens)
+        model.phases.seconds.clear()
+        if hasattr(self.experts, "seconds"):
+            self.experts.seconds.clear()
+        gen = torch.Generator().manual_seed(seed)
+        st = model.new_state(len(prompt) + max_tokens)
+        chunk = len(prompt) if self.reference else plan.prefill_chunk
+        replay = plan.prefill_mode == "bounded_replay" and not self.reference and cfg.num_encoder_layers
+        dec_start = max(0, len(prompt) - cfg.window_size) if replay else 0
+        out, logits_kept = [], []
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for c in range(0, len(prompt), chunk):
+                logits = model.forward(st, prompt[c:c + chunk], decoder_start=dec_start)
+            last = logits[-1]
+            t_first = time.perf_counter()
+            for step in range(max_tokens):
+                if keep_logits:
+                    logits_kept.append(last.detach().clone())
+                tok = self._sample(last, temperature, gen)
+                out.append(tok)
+                if step == 0:
+                    t_first = time.perf_counter()
+                if step + 1 < max_tokens:
+                    last = model.forward(st, [tok])[-1]
+        t_end = time.perf_counter()
+        phases = dict(model.phases.seconds)
+        for k, v in getattr(self.experts, "seconds", {}).items():
+            phases[k] = v
+        decode_s = t_end - t_first
+        return Result(out, t_first - t0, (max_tokens - 1) / decode_s if max_tokens > 1 and decode_s > 0 else 0.0,
+                      len(prompt) / (t_first - t0), phases, getattr(self.experts, "hit_rate", 0.0),
+                      st.indexer_peak_bytes,
+                      int(4 * cfg.index_n_heads * min(chunk, len(prompt)) * max((cfg.n_blocks(len(prompt), x) for x in cfg.index_source_layers), default=0)),
+                      logits_kept)
+
+    @staticmethod
+    def _sample(logits, temperature, gen) -> int:
+        if temperature <= 0:
+            return int(torch.argmax(logits))
+        p = torch.softmax(logits.to(torch.float64) / temperature, -1)
+        return int(torch.multinomial(p, 1, generator=gen))
+
+    def close(self):
+        if hasattr(self.experts, "close"):
+            self.experts.close()

@@ -1,0 +1,217 @@
+"""Expert placement under a Plan: host banks, the device slot cache, the hybrid split, the NVMe tier.
+
+Backends implement routed(layer, m [T, H], ids [T, K], wts [T, K]) -> [T, H] and shared(layer, m).
+  ReferenceExperts  every expert dequantized with plain torch (the ground truth, float64 by default)
+  PlacedExperts     the plan's placement:
+    host bank     per layer, the first experts up to host_expert_budget_gib (all by default), as ds_fp4
+                  banks computed by the numba kernel; experts beyond it live on NVMe and are read on
+                  demand through the runtime's BatchedReader (one contiguous span per expert)
+    slot cache    `slot_cache_experts` experts on the device, LRU over all layers, hit/miss counters;
+                  filled at load with each layer's lowest expert ids (no routing statistics yet),
+                  then by gathers. On a CPU-only host the device is the CPU and the cache still works.
+    per layer     hits -> device; misses -> cpu: CPU kernel | offload: gather to the cache, device
+                  | hybrid: the first round(f * misses) (ascending ids) gathered, the rest on the CPU,
+                  overlapped (the CPU kernel runs in a worker thread; it releases the GIL)
+Timing per phase: cpu_moe, gather, device_moe, nvme_read (seconds), and the per-layer dispatch cost.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, defaultdict
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from kernels.cpu_moe import Fp4Bank, expert_ffn
+from runtime.checkpoint.reader import Checkpoint
+from runtime.io_reader import BatchedReader
+from runtime.model.weights import expert_raw, expert_span
+from runtime.plan import Plan
+
+
+class ReferenceExperts:
+    """Plain torch over dequantized weights: y = sum_k w * down(silu(gate x) * up x)."""
+
+    def __init__(self, ck: Checkpoint, dtype=torch.float64):
+        self.ck, self.dtype, self._cache = ck, dtype, {}
+
+    def _w(self, prefix):
+        if prefix not in self._cache:
+            from kernels.formats import dequantize_mxfp4
+            raw = expert_raw(self.ck, prefix)
+            self._cache[prefix] = [dequantize_mxfp4(torch.from_numpy(np.array(c)), torch.from_numpy(np.array(s)), self.dtype)
+                                   for c, s in (raw["w1"], raw["w3"], raw["w2"])]
+        return self._cache[prefix]
+
+    def _ffn(self, prefix, x):
+        w1, w3, w2 = self._w(prefix)
+        return (torch.nn.functional.silu(x @ w1.T) * (x @ w3.T)) @ w2.T
+
+    def routed(self, layer, m, ids, wts):
+        y = torch.zeros_like(m)
+        for e in torch.unique(ids).tolist():
+            t, k = (ids == e).nonzero(as_tuple=True)
+            y.index_add_(0, t, self._ffn(f"layers.{layer}.ffn.experts.{e}", m[t]) * wts[t, k][:, None])
+        return y
+
+    def shared(self, layer, m):
+        return self._ffn(f"layers.{layer}.ffn.shared_experts", m)
+
+
+def _bank(raws) -> Fp4Bank:
+    return Fp4Bank.from_experts(raws)
+
+
+class SlotCache:
+    """N device slots holding (layer, expert) pairs, LRU; the bank arrays are the device memory."""
+
+    def __init__(self, n: int, hidden: int, inter: int):
+        self.n = n
+        self.bank = Fp4Bank(np.zeros((max(n, 1), 2 * inter, hidden // 2), np.uint8), np.zeros((max(n, 1), 2 * inter, hidden // 32), np.uint8),
+                            np.zeros((max(n, 1), hidden, inter // 2), np.uint8), np.zeros((max(n, 1), hidden, inter // 32), np.uint8))
+        self.where: OrderedDict = OrderedDict()     # (layer, expert) -> slot, LRU order (oldest first)
+        self.hits = self.misses = 0
+
+    def lookup(self, key):
+        s = self.where.get(key)
+        if s is not None:
+            self.where.move_to_end(key)
+        return s
+
+    def put(self, key, src: Fp4Bank, row: int) -> int:
+        """Copy expert `row` of `src` into a slot (evicting the least recently used). -> slot."""
+        if key in self.where:
+            return self.lookup(key)
+        slot = len(self.where) if len(self.where) < self.n else self.where.popitem(last=False)[1]
+        for name in ("w13_codes", "w13_scales", "w2_codes", "w2_scales"):
+            getattr(self.bank, name)[slot] = getattr(src, name)[row]
+        self.where[key] = slot
+        return slot
+
+
+class PlacedExperts:
+    def __init__(self, ck: Checkpoint, plan: Plan, reader: BatchedReader | None = None):
+        cfg = ck.config
+        self.ck, self.cfg, self.plan = ck, cfg, plan
+        self.threads = plan.cpu_threads or None
+        L, E, eb = cfg.num_hidden_layers, cfg.n_routed_experts, cfg.expert_bytes
+        total = L * E if plan.host_expert_budget_gib is None else min(L * E, int(plan.host_expert_budget_gib * (1 << 30) // eb))
+        per_layer = [total // L + (1 if i < total % L else 0) for i in range(L)]
+        self.resident = per_layer                               # experts 0..resident[i]-1 in the host bank
+        self.host = [_bank([expert_raw(ck, f"layers.{i}.ffn.experts.{e}") for e in range(per_layer[i])]) if per_layer[i] else None
+                     for i in range(L)]
+        self.shared_bank = [_bank([expert_raw(ck, f"layers.{i}.ffn.shared_experts")]) if cfg.n_shared_experts else None
+                            for i in range(L)]
+        self.reader = reader if reader is not None else (BatchedReader(depth=8) if total < L * E else None)
+        self.cache = SlotCache(plan.slot_cache_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        for k in range(min(plan.slot_cache_experts, L * E)):    # warm start: lowest ids of each layer
+            i, e = k % L, k // L
+            self.cache.put((i, e), *self._source(i, [e]))
+        self.cache.hits = self.cache.misses = 0
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv41-cpu-moe")
+        self.seconds = defaultdict(float)
+        self.layer_calls = 0
+
+    # ------------------------------------------------------------------ sources
+    def _source(self, layer, experts) -> tuple[Fp4Bank, int]:
+        """(bank, row) for a single expert: the host bank, or read from NVMe."""
+        bank, rows = self._fetch(layer, experts)
+        return bank, rows[0]
+
+    def _fetch(self, layer, experts) -> tuple[Fp4Bank, list]:
+        """A bank holding `experts` of `layer` and each one's row in it (NVMe-tier experts are read)."""
+        r = self.resident[layer]
+        if all(e < r for e in experts):
+            return self.host[layer], list(experts)
+        t0 = time.perf_counter()
+        spans = [expert_span(self.ck, f"layers.{layer}.ffn.experts.{e}") for e in experts]
+        blobs = self.reader.read(spans)
+        self.seconds["nvme_read"] += time.perf_counter() - t0
+        H, I = self.cfg.hidden_size, self.cfg.moe_intermediate_size
+        raws = []
+        for b in blobs:      # contiguous w1.weight, w1.scale, w2.weight, w2.scale, w3.weight, w3.scale
+            sizes = [I * H // 2, I * H // 32, H * I // 2, H * I // 32, I * H // 2, I * H // 32]
+            parts, o = [], 0
+            for n in sizes:
+                parts.append(b[o:o + n])
+                o += n
+            raws.append({"w1": (parts[0].reshape(I, H // 2), parts[1].reshape(I, H // 32)),
+                         "w2": (parts[2].reshape(H, I // 2), parts[3].reshape(H, I // 32)),
+                         "w3": (parts[4].reshape(I, H // 2), parts[5].reshape(I, H // 32))})
+        return _bank(raws), list(range(len(experts)))
+
+    # ------------------------------------------------------------------ compute
+    def _run(self, bank, x, ids, wts, key):
+        t0 = time.perf_counter()
+        y = expert_ffn(x, ids, wts, bank, threads=self.threads)
+        self.seconds[key] += time.perf_counter() - t0
+        return y
+
+    def _subset(self, x, ids, wts, experts, rows, bank):
+        """Run `experts` (mapped to `rows` of `bank`) for the tokens routed to them."""
+        lut = np.full(self.cfg.n_routed_experts, -1, np.int64)
+        lut[list(experts)] = rows
+        sub = lut[ids]                                   # [T, K]: bank row, or -1 for other experts
+        mask = sub >= 0
+        return bank, np.where(mask, sub, 0), np.where(mask, wts, 0.0).astype(np.float32)
+
+    def routed(self, layer, m, ids, wts):
+        t_layer = time.perf_counter()
+        self.layer_calls += 1
+        x = m.detach().to(torch.float32).cpu().numpy()
+        ids_np, w_np = ids.cpu().numpy(), wts.detach().to(torch.float32).cpu().numpy()
+        need = sorted(set(ids_np.reshape(-1).tolist()))
+        hits = [e for e in need if self.cache.lookup((layer, e)) is not None]
+        miss = [e for e in need if e not in hits]
+        self.cache.hits += len(hits)
+        self.cache.misses += len(miss)
+        strat = self.plan.moe_strategy
+        if strat == "cpu" or (strat == "hybrid" and self.cache.n == 0):
+            to_dev, to_cpu = [], miss
+        elif strat == "offload":
+            to_dev, to_cpu = miss, []
+        else:
+            n = round(self.plan.fetch_fraction * len(miss))
+            to_dev, to_cpu = miss[:n], miss[n:]
+        y = np.zeros_like(x)
+        fut = None
+        if to_cpu:
+            bank, rows = self._fetch(layer, to_cpu)
+            job = self._subset(x, ids_np, w_np, to_cpu, rows, bank)
+            fut = self.pool.submit(self._run, job[0], x, job[1], job[2], "cpu_moe")
+        dev_keys = hits + to_dev
+        if dev_keys:
+            t0 = time.perf_counter()
+            if to_dev and self.cache.n:
+                bank, rows = self._fetch(layer, to_dev)
+                for e, r in zip(to_dev, rows):
+                    self.cache.put((layer, e), bank, r)
+            slots = [self.cache.lookup((layer, e)) for e in dev_keys] if self.cache.n else None
+            self.seconds["gather"] += time.perf_counter() - t0
+            if slots is None:                      # offload with no cache: a transient staging bank
+                bank, rows = self._fetch(layer, dev_keys)
+                job = self._subset(x, ids_np, w_np, dev_keys, rows, bank)
+            else:
+                job = self._subset(x, ids_np, w_np, dev_keys, slots, self.cache.bank)
+            y += self._run(job[0], x, job[1], job[2], "device_moe")
+        if fut is not None:
+            y += fut.result()
+        self.seconds["moe_layer_total"] += time.perf_counter() - t_layer
+        return torch.from_numpy(y).to(m.dtype)
+
+    def shared(self, layer, m):
+        x = m.detach().to(torch.float32).cpu().numpy()
+        T = len(x)
+        y = self._run(self.shared_bank[layer], x, np.zeros((T, 1), np.int64), np.ones((T, 1), np.float32), "shared_moe")
+        return torch.from_numpy(y).to(m.dtype)
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.cache.hits + self.cache.misses
+        return self.cache.hits / n if n else 0.0
+
+    def close(self):
+        self.pool.shutdown()
+        if self.reader:
+            self.reader.close()

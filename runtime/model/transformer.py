@@ -1,0 +1,252 @@
+"""The V4.1 model's math, once: the reference and the placed runtime both run this code, differing only
+in precision, in the expert backend (dequantized torch vs the plan's placement) and the Engram source.
+
+Per layer i, hidden h [T, H] at positions p (legend: C latent, W window, r compress ratio, k top-k):
+  Engram (i in engram_layer_ids): e = rows [T, S*D]; k = e wk^T, v = e wv^T; h += sigmoid(<n(h), n(k)>/sqrt(H)) v
+  a = rmsnorm(h, attn_norm); ql = a wq_a^T [T, q]; q = rope(ql wq_b^T) [T, Hq, C]
+  window: c = rmsnorm(a wkv^T, kv_norm); K = rope(c), V = c; query t sees positions t-W+1..t
+  CSA2 global (mode != window): the kv source s = kv_source_of(i) stores per position a latent a_s wkv_c^T
+    and an index key a_s wi_k^T; row j = mean over positions j*r..j*r+r-1 (r = compress_ratios[s]);
+    query t sees rows wholly before its window: (j+1)*r <= t+1-W. An index layer x scores rows:
+    sum_h w_h relu(qi_h . ik_j) (qi = ql wi_q^T, w = a wi_w^T) and keeps the top index_topk;
+    reuse layers take the selection of index_source_of(i). Keys rope(row) at position (j+1)*r-1.
+  attention over window + selected rows, softmax(q.K/sqrt(C)); h += concat_heads(P V) wo^T
+  MoE: m = rmsnorm(h, ffn_norm); s = sigmoid(m gate^T); top-k of s + bias; w = s_sel/sum * scale
+    (hash layers: tid2eid[token], w = 1/K); h += routed(m) + shared(m)
+Encoder/decoder: the decoder's global state (its kv source layers' latents and index keys) is
+projected from the encoder's final hidden states (the input of layer num_encoder_layers), for every
+token, so `bounded_replay` can run the decoder over the last window of the prompt only.
+logits = rmsnorm(h, norm) head^T.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kernels.engram_hash import engram_rows, slot_ranges, slot_seeds
+from runtime.config import ModelConfig
+
+
+def rmsnorm(x, w=None, eps=1e-6):
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y if w is None else y * w
+
+
+def rope(x, pos, theta):
+    """Rotate-half RoPE over the last dim of x [..., T, (heads,) D] at integer positions pos [T]."""
+    d = x.shape[-1] // 2
+    inv = 1.0 / (theta ** (torch.arange(d, dtype=torch.float64) / d))
+    ang = pos.to(torch.float64)[:, None] * inv[None]                       # [T, d]
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    if x.dim() == 3:                                                       # [T, heads, D]
+        cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x[..., :d], x[..., d:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+@dataclass
+class SeqState:
+    """Everything one sequence keeps between chunks (the KV cache and friends)."""
+    pos: int
+    tokens: list
+    kw: list          # per layer [ctx, C] roped window keys
+    vw: list          # per layer [ctx, C] window values
+    valid: list       # per layer [ctx] bool: position computed at that layer (bounded_replay skips some)
+    lat: dict         # kv source layer -> [ctx, C] per-position latent
+    ik: dict          # kv source layer -> [ctx, Di] per-position index key
+    indexer_peak_bytes: int = 0
+
+
+@dataclass
+class Phases:
+    seconds: dict = field(default_factory=lambda: defaultdict(float))
+
+    def add(self, name, t0):
+        self.seconds[name] += time.perf_counter() - t0
+
+
+class Model:
+    def __init__(self, cfg: ModelConfig, dense: dict, experts, engram=None, cmap=None,
+                 dtype=torch.float32, device="cpu"):
+        self.cfg, self.w, self.experts, self.engram = cfg, dense, experts, engram
+        self.dtype, self.device = dtype, device
+        self.cmap = cmap
+        self.phases = Phases()
+        if cfg.engram_layer_ids:
+            S = cfg.engram_slots
+            self.engram_ranges = {i: slot_ranges(rows, S) + (slot_seeds(i, S),)
+                                  for i, rows in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings)}
+
+    # ------------------------------------------------------------------ state
+    def new_state(self, max_context: int) -> SeqState:
+        c, n, z = self.cfg, max_context, lambda *s: torch.zeros(*s, dtype=self.dtype, device=self.device)
+        return SeqState(0, [], [z(n, c.kv_lora_rank) for _ in range(c.num_hidden_layers)],
+                        [z(n, c.kv_lora_rank) for _ in range(c.num_hidden_layers)],
+                        [torch.zeros(n, dtype=torch.bool, device=self.device) for _ in range(c.num_hidden_layers)],
+                        {s: z(n, c.kv_lora_rank) for s in c.kv_source_layers},
+                        {s: z(n, c.index_head_dim) for s in c.kv_source_layers})
+
+    def L(self, name, x):
+        return x @ self.w[name + ".weight"].T
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, st: SeqState, tokens: list[int], decoder_start: int = 0) -> torch.Tensor | None:
+        """Run `tokens` (the next positions of the sequence) through the model. The decoder runs only
+        for positions >= decoder_start. -> logits [T', V] of the positions the decoder ran, or None."""
+        c = self.cfg
+        T = len(tokens)
+        p0 = st.pos
+        if p0 + T > st.kw[0].shape[0]:
+            raise ValueError(f"sequence of {p0 + T} tokens exceeds the plan's max_context {st.kw[0].shape[0]}")
+        st.tokens.extend(tokens)
+        pos = torch.arange(p0, p0 + T, device=self.device)
+        tok = torch.tensor(tokens, device=self.device)
+        h = self.w["embed.weight"][tok].to(self.dtype)
+        rows = self._engram_rows(st, p0, T)
+        enc = c.num_encoder_layers
+        sel: dict = {}
+        for i in range(c.num_hidden_layers):
+            if i == enc:                       # decoder global state from the encoder's final hidden states
+                self._decoder_sources(st, h, pos)
+                keep = (pos >= decoder_start).nonzero().flatten()
+                if len(keep) == 0:
+                    st.pos += T
+                    return None
+                h, pos, tok = h[keep], pos[keep], tok[keep]
+                rows = {l: r[keep.cpu().numpy()] for l, r in rows.items()}
+                sel = {x: (idx[keep], ok[keep]) for x, (idx, ok) in sel.items()}
+            h = self._layer(st, i, h, pos, tok, rows, sel)
+        st.pos += T
+        t0 = time.perf_counter()
+        logits = rmsnorm(h, self.w["norm.weight"], c.rms_norm_eps) @ self.w["head.weight"].T
+        self.phases.add("attention_dense", t0)
+        return logits
+
+    def _layer(self, st, i, h, pos, tok, rows, sel):
+        c, w = self.cfg, self.w
+        t0 = time.perf_counter()
+        if i in c.engram_layer_ids:
+            h = self._engram(i, h, rows[i])
+        a = rmsnorm(h, w[f"layers.{i}.attn_norm.weight"], c.rms_norm_eps)
+        ql = self.L(f"layers.{i}.attn.wq_a", a)
+        q = rope(self.L(f"layers.{i}.attn.wq_b", ql).view(len(h), c.num_attention_heads, c.kv_lora_rank), pos, c.rope_theta)
+        cw = rmsnorm(self.L(f"layers.{i}.attn.wkv", a), w[f"layers.{i}.attn.kv_norm.weight"], c.rms_norm_eps)
+        st.kw[i][pos] = rope(cw, pos, c.rope_theta)
+        st.vw[i][pos] = cw
+        st.valid[i][pos] = True
+        if i in c.kv_source_layers and i < c.num_encoder_layers:
+            self._write_source(st, i, a, pos)
+        g_keys = g_vals = g_mask = None
+        if c.layer_mode(i) != "window":
+            x = c.index_source_of(i)
+            if x == i:
+                sel[i] = self._select(st, i, a, ql, pos)
+            idx, ok = sel[x]
+            s = c.kv_source_of(i)
+            r = c.compress_ratios[s]
+            lat = self._rows(st.lat[s], r, int(idx.max().item()) + 1 if idx.numel() else 0)
+            rpos = (idx + 1) * r - 1
+            g_vals = lat[idx]                                                # [T, k, C]
+            g_keys = rope(g_vals.reshape(-1, c.kv_lora_rank), rpos.reshape(-1), c.rope_theta).view_as(g_vals)
+            g_mask = ok
+        out = self._attend(st, i, q, pos, g_keys, g_vals, g_mask)
+        h = h + self.L(f"layers.{i}.attn.wo", out.reshape(len(h), -1))
+        self.phases.add("attention_dense", t0)
+        return h + self._moe(i, h, tok)
+
+    def _attend(self, st, i, q, pos, g_keys, g_vals, g_mask):
+        c = self.cfg
+        lo = max(0, int(pos.min()) - c.window_size + 1)
+        hi = int(pos.max()) + 1
+        kpos = torch.arange(lo, hi, device=self.device)
+        K, V = st.kw[i][lo:hi], st.vw[i][lo:hi]                               # [N, C]
+        mask = (kpos[None] <= pos[:, None]) & (kpos[None] > pos[:, None] - c.window_size) & st.valid[i][lo:hi][None]
+        scale = 1.0 / math.sqrt(c.kv_lora_rank)
+        sw = torch.einsum("thc,nc->thn", q, K) * scale
+        sw = sw.masked_fill(~mask[:, None], float("-inf"))
+        if g_keys is None:
+            return torch.einsum("thn,nc->thc", torch.softmax(sw, -1), V)
+        sg = torch.einsum("thc,tkc->thk", q, g_keys) * scale
+        sg = sg.masked_fill(~g_mask[:, None], float("-inf"))
+        p = torch.softmax(torch.cat([sw, sg], -1), -1)
+        return torch.einsum("thn,nc->thc", p[..., :K.shape[0]], V) + torch.einsum("thk,tkc->thc", p[..., K.shape[0]:], g_vals)
+
+    @staticmethod
+    def _rows(per_pos, r, n):
+        """Compressed rows 0..n-1: mean over each group of r positions."""
+        return per_pos[: n * r].view(n, r, -1).mean(1) if n else per_pos[:0]
+
+    def _write_source(self, st, s, a, pos):
+        st.lat[s][pos] = self.L(f"layers.{s}.attn.wkv_c", a)
+        st.ik[s][pos] = self.L(f"layers.{s}.attn.wi_k", a)
+
+    def _decoder_sources(self, st, h_enc, pos):
+        c = self.cfg
+        for s in c.kv_source_layers:
+            if s >= c.num_encoder_layers:
+                self._write_source(st, s, rmsnorm(h_enc, self.w[f"layers.{s}.attn_norm.weight"], c.rms_norm_eps), pos)
+
+    def _select(self, st, x, a, ql, pos):
+        """Index layer x: top index_topk visible compressed rows per query. -> (idx [T, k], ok [T, k])."""
+        c = self.cfg
+        s = c.kv_source_of(x)
+        r = c.compress_ratios[s]
+        n_vis = torch.clamp((pos + 1 - c.window_size) // r, min=0)             # [T]
+        n = int(n_vis.max())
+        T = len(pos)
+        k = min(c.index_topk, max(n, 1))
+        if n == 0:
+            return torch.zeros(T, k, dtype=torch.long, device=self.device), torch.zeros(T, k, dtype=torch.bool, device=self.device)
+        ik = self._rows(st.ik[s], r, n)                                      # [n, Di]
+        qi = self.L(f"layers.{x}.attn.wi_q", ql).view(T, c.index_n_heads, c.index_head_dim)
+        wh = a @ self.w[f"layers.{x}.attn.wi_w.weight"].T                    # [T, Hi]
+        act = torch.relu(torch.einsum("thd,nd->thn", qi, ik))               # [T, Hi, n]: the indexer peak
+        st.indexer_peak_bytes = max(st.indexer_peak_bytes, act.numel() * act.element_size())
+        score = torch.einsum("thn,th->tn", act, wh)
+        score = score.masked_fill(torch.arange(n, device=self.device)[None] >= n_vis[:, None], float("-inf"))
+        # a stable sort, not topk: relu makes exact ties (score 0) common, and ties must resolve the same
+        # way (lower row first) whatever the chunk, or chunking would change the output
+        val, idx = torch.sort(score, dim=-1, descending=True, stable=True)
+        return idx[:, :k], torch.isfinite(val[:, :k])
+
+    def _moe(self, i, h, tok):
+        c, w = self.cfg, self.w
+        m = rmsnorm(h, w[f"layers.{i}.ffn_norm.weight"], c.rms_norm_eps)
+        if i < c.n_hash_layers:
+            ids = w[f"layers.{i}.ffn.tid2eid"][tok]
+            wts = torch.full(ids.shape, 1.0 / c.num_experts_per_tok, dtype=self.dtype, device=self.device)
+        else:
+            scores = torch.sigmoid(m @ w[f"layers.{i}.ffn.gate.weight"].T)
+            ids = torch.topk(scores + w[f"layers.{i}.ffn.gate.bias"], c.num_experts_per_tok, dim=-1).indices
+            wts = scores.gather(1, ids)
+            wts = wts / wts.sum(-1, keepdim=True) * c.routed_scaling_factor
+        y = self.experts.routed(i, m, ids, wts)
+        if c.n_shared_experts:
+            y = y + self.experts.shared(i, m)
+        return y
+
+    # ------------------------------------------------------------------ Engram
+    def _engram_rows(self, st, p0, T) -> dict:
+        c = self.cfg
+        if not c.engram_layer_ids:
+            return {}
+        cids = self.cmap[np.asarray(st.tokens, dtype=np.int64)]
+        out = {}
+        for i, (primes, offsets, seeds) in self.engram_ranges.items():
+            out[i] = engram_rows(cids, p0, c.engram_compressed_vocab_size, c.engram_max_ngram_size,
+                                 c.engram_n_heads, primes, offsets, seeds)
+        return out
+
+    def _engram(self, i, h, row_ids):
+        t0 = time.perf_counter()
+        e = self.engram.rows(i, row_ids).to(self.dtype).reshape(len(h), -1)   # [T, S*D]
+        self.phases.add("engram_wait", t0)
+        k = self.L(f"layers.{i}.engram.wk", e)
+        v = self.L(f"layers.{i}.engram.wv", e)
+        gate = torch.sigmoid((rmsnorm(h) * rmsnorm(k)).sum(-1, keepdim=True) / math.sqrt(self.cfg.hidden_size))
+        return h + gate * v
