@@ -104,13 +104,14 @@ class PlacedExperts:
         self.shared_bank = [_bank([expert_raw(ck, f"layers.{i}.ffn.shared_experts")]) if cfg.n_shared_experts else None
                             for i in range(L)]
         self.reader = reader if reader is not None else (BatchedReader(depth=8) if total < L * E else None)
+        self.seconds = defaultdict(float)
         self.cache = SlotCache(plan.slot_cache_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         for k in range(min(plan.slot_cache_experts, L * E)):    # warm start: lowest ids of each layer
             i, e = k % L, k // L
             self.cache.put((i, e), *self._source(i, [e]))
         self.cache.hits = self.cache.misses = 0
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv41-cpu-moe")
-        self.seconds = defaultdict(float)
+        self.seconds.clear()
         self.layer_calls = 0
 
     # ------------------------------------------------------------------ sources
