@@ -150,3 +150,17 @@ def test_engram_vocabulary_mismatch_refused(tiny_dir, tmp_path):
     (d / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match=r"compressed vocabulary has \d+ entries.*engram_compressed_vocab_size is \d+"):
         Engine(d, Plan())
+
+
+def test_dsv41_run_cli_cold_and_warm(tiny_dir, tmp_path, capsys):
+    from runtime.cli.run import main
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(Plan(moe_strategy="hybrid", slot_cache_experts=20, prefill_chunk=16).to_dict()))
+    assert main(["--checkpoint", str(tiny_dir), "--plan", str(plan), "--prompt-tokens", "60", "--max-tokens", "6",
+                 "--prompt-seed", "3", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert len(d["tokens"]) == 6 and d["ttft_s"] > 0 and d["decode_tok_s"] > 0 and d["plan"]["moe_strategy"] == "hybrid"
+    assert d["cold"]["tokens"] == d["warm"]["tokens"] and d["cold_resident_fraction_before_load"] < 0.5
+    assert {"attention_dense", "cpu_moe", "gather", "device_moe"} <= set(d["phases"])
+    assert main(["--checkpoint", str(tiny_dir), "--prompt-tokens", "40000", "--max-tokens", "6"]) == 2
+    assert "exceed the plan's max_context" in capsys.readouterr().err

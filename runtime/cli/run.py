@@ -1,0 +1,98 @@
+"""`dsv41-run`: one request through the runtime under a plan, cold then warm.
+
+  dsv41-run --checkpoint DIR --plan PLAN.json|PROFILE.json --prompt-tokens N --max-tokens M
+            [--prompt-seed S] [--temperature T] [--no-cold] [--json]
+
+The prompt comes from the workload generator (natural text through the checkpoint's tokenizer).
+Cold: the checkpoint's files are evicted from the page cache (posix_fadvise DONTNEED, checked with
+mincore) before the engine loads; warm: the same request again on the loaded engine. Refusals (a
+prompt past the plan's context, a plan over its budgets) happen before anything is loaded.
+--json prints one object: ttft_s, decode_tok_s, tokens (warm), phases, plan, cold, warm, load_s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from runtime.cli.common import console, run_main
+from runtime.plan import Plan
+from runtime.workload import Workload
+
+WL = {"prompt_tokens": Workload.prompt_tokens, "max_tokens": Workload.max_tokens}
+
+
+def cmd_run(args) -> int:
+    from tokenizers import Tokenizer
+
+    from runtime.budget import check_plan, check_request
+    from runtime.checkpoint.reader import Checkpoint
+    from runtime.engine import Engine
+    from runtime.pagecache import evict, resident_fraction
+    from runtime.workload import make_prompt
+    ck = Checkpoint(args.checkpoint)
+    plan = Plan.load(args.plan) if args.plan else Plan()
+    check_request(plan, args.prompt_tokens, args.max_tokens)
+    check_plan(plan, ck.footprint())
+    prompt = make_prompt(Tokenizer.from_file(str(ck.root / "tokenizer.json")), args.prompt_tokens, seed=args.prompt_seed)
+    files = [str(ck.root / s) for s in ck.shards]
+    runs, resident = {}, None
+    if not args.no_cold:
+        evict(files)
+        resident = sum(resident_fraction(f) for f in files) / len(files)
+    t0 = time.perf_counter()
+    engine = Engine(ck, plan)
+    load_s = time.perf_counter() - t0
+    try:
+        for phase in (("warm",) if args.no_cold else ("cold", "warm")):
+            r = engine.generate(prompt, args.max_tokens, temperature=args.temperature, seed=args.prompt_seed)
+            runs[phase] = r.to_dict()
+    finally:
+        engine.close()
+    warm = runs["warm"]
+    out = {"ttft_s": warm["ttft_s"], "decode_tok_s": warm["decode_tok_s"], "tokens": warm["tokens"],
+           "phases": warm["phases"], "plan": plan.to_dict(), "load_s": load_s, "prompt_tokens": len(prompt),
+           "cold_resident_fraction_before_load": resident, **runs}
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    from rich.table import Table
+    t = Table(title=f"{ck.config.name}: {len(prompt)} prompt tokens, {args.max_tokens} generated, "
+                    f"plan {plan.moe_strategy} slots {plan.slot_cache_experts} chunk {plan.prefill_chunk}")
+    t.add_column("")
+    for name in runs:
+        t.add_column(name, justify="right")
+    rows = [("TTFT s", "ttft_s", "{:.3f}"), ("decode tok/s", "decode_tok_s", "{:.2f}"), ("prefill tok/s", "prefill_tok_s", "{:.1f}"),
+            ("expert hit rate", "hit_rate", "{:.2f}"), ("indexer peak B (measured)", "indexer_peak_bytes", "{:,}"),
+            ("indexer peak B (formula)", "indexer_peak_formula_bytes", "{:,}")]
+    for label, key, f in rows:
+        t.add_row(label, *(f.format(runs[n][key]) for n in runs))
+    for ph in sorted({k for r in runs.values() for k in r["phases"]}):
+        t.add_row(f"  {ph} s", *(f"{runs[n]['phases'].get(ph, 0):.3f}" for n in runs))
+    c = console()
+    c.print(t)
+    c.print(f"load {load_s:.2f} s" + (f"; page cache before the cold load: {100 * resident:.1f}% resident" if resident is not None else ""))
+    return 0
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="dsv41-run", description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--plan", help="plan file or profile file (its plan); default: Plan()")
+    p.add_argument("--prompt-tokens", type=int, default=WL["prompt_tokens"])
+    p.add_argument("--max-tokens", type=int, default=WL["max_tokens"])
+    p.add_argument("--prompt-seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--no-cold", action="store_true", help="skip the cold run")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_run)
+    return p
+
+
+def main(argv=None) -> int:
+    return run_main(build_parser(), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
