@@ -32,7 +32,8 @@ class Result:
     ttft_s: float
     decode_tok_s: float
     prefill_tok_s: float
-    phases: dict
+    phases: dict                 # seconds per phase during decode (after the first token)
+    prefill_phases: dict         # seconds per phase until the first token
     hit_rate: float
     indexer_peak_bytes: int
     indexer_peak_formula_bytes: int
@@ -78,9 +79,7 @@ class Engine:
                  keep_logits: bool = False) -> Result:
         plan, cfg, model = self.plan, self.cfg, self.model
         check_request(plan, len(prompt), max_tokens)
-        model.phases.seconds.clear()
-        if hasattr(self.experts, "seconds"):
-            self.experts.seconds.clear()
+        self._phases(reset=True)
         gen = torch.Generator().manual_seed(seed)
         st = model.new_state(len(prompt) + max_tokens)
         chunk = len(prompt) if self.reference else plan.prefill_chunk
@@ -92,6 +91,7 @@ class Engine:
             for c in range(0, len(prompt), chunk):
                 logits = model.forward(st, prompt[c:c + chunk], decoder_start=dec_start)
             last = logits[-1]
+            prefill_phases = self._phases(reset=True)
             t_first = time.perf_counter()
             for step in range(max_tokens):
                 if keep_logits:
@@ -103,15 +103,22 @@ class Engine:
                 if step + 1 < max_tokens:
                     last = model.forward(st, [tok])[-1]
         t_end = time.perf_counter()
-        phases = dict(model.phases.seconds)
-        for k, v in getattr(self.experts, "seconds", {}).items():
-            phases[k] = v
         decode_s = t_end - t_first
         return Result(out, t_first - t0, (max_tokens - 1) / decode_s if max_tokens > 1 and decode_s > 0 else 0.0,
-                      len(prompt) / (t_first - t0), phases, getattr(self.experts, "hit_rate", 0.0),
+                      len(prompt) / (t_first - t0), self._phases(reset=True), prefill_phases,
+                      getattr(self.experts, "hit_rate", 0.0),
                       st.indexer_peak_bytes,
                       int(4 * cfg.index_n_heads * min(chunk, len(prompt)) * max((cfg.n_blocks(len(prompt), x) for x in cfg.index_source_layers), default=0)),
                       logits_kept)
+
+    def _phases(self, reset: bool) -> dict:
+        out = dict(self.model.phases.seconds)
+        out.update(getattr(self.experts, "seconds", {}))
+        if reset:
+            self.model.phases.seconds.clear()
+            if hasattr(self.experts, "seconds"):
+                self.experts.seconds.clear()
+        return out
 
     @staticmethod
     def _sample(logits, temperature, gen) -> int:

@@ -7,8 +7,9 @@ Per-token figures:
   encoder_pass_bytes            = all routed experts of the encoder layers           (one bounded_replay pass)
   full_pass_bytes               = all routed experts of every layer                  (one `full` prefill pass)
   engram_bytes_per_token        = Engram layers x (max_ngram-1) x heads x row bytes  (V4.1: 12,672 B)
-  dense_bytes_per_token         = dense/attention + shared experts + LM head: what every decoded
-                                  token reads outside the routed experts (Engram, drafter excluded)
+  dense_bytes_per_token         = dense/attention (incl. Engram gate projections) + shared experts +
+                                  LM head: what every decoded token reads outside the routed experts
+                                  (Engram tables and the drafter excluded)
 """
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ class Footprint:
                 routed[s.layer] += nb
                 n_expert_tensors += 1
                 per_expert[name.rsplit(".", 2)[0]] += nb   # layers.i.ffn.experts.e
-            elif s.layer is not None and s.cls in ("dense", "shared_expert") and ".engram." not in name:
+            elif s.layer is not None and s.cls in ("dense", "shared_expert"):   # incl. Engram gate projections
                 other[s.layer] += nb
         expert_sizes = set(per_expert.values())
         expert_bytes = max(expert_sizes) if expert_sizes else 0

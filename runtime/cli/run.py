@@ -68,8 +68,9 @@ def cmd_run(args) -> int:
             ("indexer peak B (formula)", "indexer_peak_formula_bytes", "{:,}")]
     for label, key, f in rows:
         t.add_row(label, *(f.format(runs[n][key]) for n in runs))
-    for ph in sorted({k for r in runs.values() for k in r["phases"]}):
-        t.add_row(f"  {ph} s", *(f"{runs[n]['phases'].get(ph, 0):.3f}" for n in runs))
+    for part in ("prefill_phases", "phases"):
+        for ph in sorted({k for r in runs.values() for k in r[part]}):
+            t.add_row(f"  {'prefill' if part == 'prefill_phases' else 'decode'} {ph} s", *(f"{runs[n][part].get(ph, 0):.3f}" for n in runs))
     c = console()
     c.print(t)
     c.print(f"load {load_s:.2f} s" + (f"; page cache before the cold load: {100 * resident:.1f}% resident" if resident is not None else ""))

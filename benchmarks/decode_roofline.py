@@ -1,0 +1,114 @@
+"""Decode and prefill on the mini checkpoint beside their rooflines, measured in the same run.
+
+  python benchmarks/decode_roofline.py [--checkpoint out/mini] [--prompt-tokens 256] [--max-tokens 24] [--json]
+
+decode: plan `cpu`, all threads, warm. Rooflines:
+  roofline        = DRAM stream read (this run) / bytes per decoded token from the footprint
+                    (routed experts K*L*expert + shared + dense/attention + head, as stored)
+  kernel-bound    = 1 / sum over phases of (that phase's bytes per token / its kernel's GB/s), each
+                    kernel measured standalone here: the CPU-MoE kernel (6 fresh experts), the shared
+                    expert through the same kernel, the dense matmuls as torch fp32 GEMV over the
+                    runtime's dequantized weights (4 B per fp8 parameter)
+  decode_kernel_ratio = measured / kernel-bound: what the runtime adds on top of its kernels
+prefill: one chunk over the prompt; roofline = 1 / max(full-pass bytes / stream, FLOP / kernel FLOP/s
+at the prompt's width) per chunk. The mini checkpoint is made (about 2 minutes) if absent.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numba
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from autotune.host import physical_cores  # noqa: E402
+from autotune.measure import measure  # noqa: E402
+from autotune.probes.dram import dram_stream_read  # noqa: E402
+from kernels.cpu_moe import Fp4Bank, expert_ffn  # noqa: E402
+from runtime.checkpoint.reader import Checkpoint  # noqa: E402
+from runtime.engine import Engine  # noqa: E402
+from runtime.plan import Plan  # noqa: E402
+from runtime.workload import make_prompt  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--checkpoint", default="out/mini")
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--threads", type=int, default=physical_cores())
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if not (Path(args.checkpoint) / "model.safetensors.index.json").exists():
+        subprocess.run([sys.executable, "-m", "runtime.cli.checkpoint", "make", "--preset", "mini", "--out", args.checkpoint], check=True)
+    ck = Checkpoint(args.checkpoint)
+    cfg, fp = ck.config, ck.footprint()
+    T = args.threads
+    numba.set_num_threads(T)
+    torch.set_num_threads(T)
+    from tokenizers import Tokenizer
+    prompt = make_prompt(Tokenizer.from_file(str(ck.root / "tokenizer.json")), args.prompt_tokens, seed=0)
+    plan = Plan(moe_strategy="cpu", cpu_threads=T, prefill_chunk=args.prompt_tokens, max_context=args.prompt_tokens + args.max_tokens + 8)
+    engine = Engine(ck, plan)
+    engine.generate(prompt, 4)                                   # warm: compile, page in
+    stream = dram_stream_read(T)
+    runs = [engine.generate(prompt, args.max_tokens) for _ in range(3)]
+    decode = float(np.median([r.decode_tok_s for r in runs]))
+    prefill = float(np.median([r.prefill_tok_s for r in runs]))
+    # --- standalone kernels, same run
+    bank = engine.experts.host[0]
+    step = {"i": 0}
+    x = np.random.default_rng(0).standard_normal((1, cfg.hidden_size)).astype(np.float32)
+    E = bank.n_experts
+
+    def moe_step():
+        ids = ((np.arange(cfg.num_experts_per_tok) + cfg.num_experts_per_tok * step["i"]) % E)[None]
+        step["i"] += 1
+        expert_ffn(x, ids, np.ones_like(ids, dtype=np.float32), bank, threads=T)
+    banks = engine.experts.host                                  # rotate layers so experts are fresh
+    m = measure(moe_step, repeats=12, warmup=2)
+    kernel_gbs = cfg.num_experts_per_tok * fp.expert_bytes / m.median / 1e9
+    dense = [w for n, w in engine.model.w.items()                # what a decoded token multiplies (not the drafter)
+             if w.dim() == 2 and n != "embed.weight" and not n.startswith("mtp.") and ".tid2eid" not in n]
+    dense_bytes_rt = sum(w.numel() * w.element_size() for w in dense)
+    xs = [torch.randn(1, w.shape[1]) for w in dense]
+    md = measure(lambda: [xx @ w.T for xx, w in zip(xs, dense)], repeats=10, warmup=2)
+    dense_gbs = dense_bytes_rt / md.median / 1e9
+    routed_b, shared_b = fp.routed_bytes_per_decode_token, fp.bytes_by_class["shared_expert"]
+    t_kernel = routed_b / (kernel_gbs * 1e9) + shared_b / (kernel_gbs * 1e9) + dense_bytes_rt / (dense_gbs * 1e9)
+    bytes_tok = fp.routed_bytes_per_decode_token + fp.dense_bytes_per_token
+    roof = stream.median * 1e9 / bytes_tok
+    # prefill roofline: one pass over every expert (all touched at this width), FLOP at the kernel's width rate
+    n = max(1, args.prompt_tokens * cfg.num_experts_per_tok // cfg.n_routed_experts)
+    xp = np.random.default_rng(1).standard_normal((n, cfg.hidden_size)).astype(np.float32)
+    mp = measure(lambda: expert_ffn(xp, np.zeros((n, 1), np.int64), np.ones((n, 1), np.float32), banks[1], threads=T), repeats=5, warmup=1)
+    flops = 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * n / mp.median
+    P, L, K = args.prompt_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok
+    t_bytes = (fp.full_pass_bytes + fp.dense_bytes_per_token) / (stream.median * 1e9)
+    t_flop = 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * K * P * L / flops
+    prefill_roof = P / max(t_bytes, t_flop)
+    out = {"decode_tok_s": decode, "decode_roofline_tok_s": roof, "decode_ratio": decode / roof,
+           "decode_kernel_bound_tok_s": 1 / t_kernel, "decode_kernel_ratio": decode * t_kernel,
+           "prefill_tok_s": prefill, "prefill_roofline_tok_s": prefill_roof, "prefill_ratio": prefill / prefill_roof,
+           "stream_gbs": stream.median, "cpu_moe_kernel_gbs": kernel_gbs, "dense_gemv_gbs": dense_gbs,
+           "bytes_per_token_footprint": bytes_tok, "dense_bytes_runtime_fp32": dense_bytes_rt,
+           "prefill_bound": "flop" if t_flop > t_bytes else "bytes", "threads": T,
+           "phases_per_token_s": {k: v / (args.max_tokens - 1) for k, v in runs[-1].phases.items()}}
+    print(f"decode  {decode:6.2f} tok/s | roofline {roof:6.2f} (stream {stream.median:.1f} GB/s / {bytes_tok / 1e9:.3f} GB) "
+          f"ratio {out['decode_ratio']:.2f} | kernel-bound {1 / t_kernel:6.2f} ratio {out['decode_kernel_ratio']:.2f}")
+    print(f"prefill {prefill:6.1f} tok/s | roofline {prefill_roof:6.1f} ({out['prefill_bound']}-bound) ratio {out['prefill_ratio']:.2f}")
+    print("per-token phases (s): " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(out["phases_per_token_s"].items())))
+    engine.close()
+    if args.json:
+        print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
