@@ -60,7 +60,7 @@ def load_cmap(ck: Checkpoint) -> np.ndarray | None:
 
 
 class Engine:
-    def __init__(self, checkpoint, plan: Plan | None = None, reference: bool = False):
+    def __init__(self, checkpoint, plan: Plan | None = None, reference: bool = False, device: str | None = None):
         self.ck = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
         self.cfg = self.ck.config
         self.plan = plan or Plan()
@@ -68,11 +68,13 @@ class Engine:
         if not reference:
             check_plan(self.plan, self.ck.footprint())
         dtype = torch.float64 if reference else torch.float32
+        # dense weights and attention on the device (CUDA when present, else the CPU)
+        self.device = "cpu" if reference else (device or ("cuda" if torch.cuda.is_available() else "cpu"))
         t0 = time.perf_counter()
-        dense = load_dense(self.ck, dtype)
-        self.experts = ReferenceExperts(self.ck) if reference else PlacedExperts(self.ck, self.plan)
+        dense = load_dense(self.ck, dtype, self.device)
+        self.experts = ReferenceExperts(self.ck) if reference else PlacedExperts(self.ck, self.plan, device=self.device)
         engram = HostEngram(self.ck) if self.cfg.engram_layer_ids else None
-        self.model = Model(self.cfg, dense, self.experts, engram, load_cmap(self.ck), dtype)
+        self.model = Model(self.cfg, dense, self.experts, engram, load_cmap(self.ck), dtype, self.device)
         self.load_s = time.perf_counter() - t0
 
     def generate(self, prompt: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0,

@@ -59,17 +59,75 @@ class ReferenceExperts:
         return self._ffn(f"layers.{layer}.ffn.shared_experts", m)
 
 
-def _bank(raws) -> Fp4Bank:
-    return Fp4Bank.from_experts(raws)
+class NumbaSlots:
+    """Slot memory on the CPU 'device': ds_fp4 arrays computed by the numba kernel."""
+
+    def __init__(self, n, hidden, inter, threads=None):
+        z = np.zeros
+        self.bank = Fp4Bank(z((n, 2 * inter, hidden // 2), np.uint8), z((n, 2 * inter, hidden // 32), np.uint8),
+                            z((n, hidden, inter // 2), np.uint8), z((n, hidden, inter // 32), np.uint8))
+        self.threads = threads
+
+    def put(self, slot, src: Fp4Bank, row):
+        for name in ("w13_codes", "w13_scales", "w2_codes", "w2_scales"):
+            getattr(self.bank, name)[slot] = getattr(src, name)[row]
+
+    def compute(self, x, ids, wts) -> np.ndarray:
+        return expert_ffn(x, ids, wts, self.bank, threads=self.threads)
+
+
+class TritonSlots:
+    """Slot memory as device tensors, computed by the Triton ds_fp4 kernel (kernels/triton_gpu.py):
+    gate/up for every routed (slot, token), SwiGLU, down, router-weighted sum. On CUDA this is the
+    GPU slot cache; on a CPU tensor it runs under TRITON_INTERPRET=1 (how it is tested here)."""
+
+    def __init__(self, n, hidden, inter, device):
+        self.device, self.H, self.I = device, hidden, inter
+        z = lambda *s: torch.zeros(*s, dtype=torch.uint8, device=device)  # noqa: E731
+        self.w13c, self.w13s = z(n, 2 * inter, hidden // 2), z(n, 2 * inter, hidden // 32)
+        self.w2c, self.w2s = z(n, hidden, inter // 2), z(n, hidden, inter // 32)
+
+    def put(self, slot, src: Fp4Bank, row):
+        for dst, a in ((self.w13c, src.w13_codes), (self.w13s, src.w13_scales), (self.w2c, src.w2_codes), (self.w2s, src.w2_scales)):
+            dst[slot].copy_(torch.from_numpy(np.ascontiguousarray(a[row])), non_blocking=True)
+
+    def compute(self, x, ids, wts) -> np.ndarray:
+        from kernels.triton_gpu import fp4_slot_matmul
+        xt = torch.as_tensor(x, device=self.device)
+        y = torch.zeros_like(xt)
+        pairs = [(int(s), t, k) for t, k in zip(*np.nonzero(wts)) for s in [ids[t, k]]]
+        slots = sorted({s for s, _, _ in pairs})
+        groups = {s: [(t, k) for s2, t, k in pairs if s2 == s] for s in slots}
+        Tm = max(len(g) for g in groups.values())
+        xs = torch.zeros(len(slots), Tm, self.H, device=self.device)
+        for m, s in enumerate(slots):
+            for j, (t, _) in enumerate(groups[s]):
+                xs[m, j] = xt[t]
+        sl = torch.tensor(slots, device=self.device)
+        h = fp4_slot_matmul(xs, self.w13c, self.w13s, sl)                          # [M, Tm, 2I]
+        a = torch.nn.functional.silu(h[..., :self.I]) * h[..., self.I:]
+        d = fp4_slot_matmul(a.contiguous(), self.w2c, self.w2s, sl)                 # [M, Tm, H]
+        for m, s in enumerate(slots):
+            for j, (t, k) in enumerate(groups[s]):
+                y[t] += float(wts[t, k]) * d[m, j]
+        return y.cpu().numpy()
+
+
+def slot_memory(n, hidden, inter, device: str, threads=None):
+    """The device slot cache's storage: Triton slots on CUDA (or when DSV41_SLOT_KERNEL=triton), else
+    numba slots on the CPU."""
+    import os
+    if device.startswith("cuda") or os.environ.get("DSV41_SLOT_KERNEL") == "triton":
+        return TritonSlots(n, hidden, inter, device)
+    return NumbaSlots(n, hidden, inter, threads)
 
 
 class SlotCache:
-    """N device slots holding (layer, expert) pairs, LRU; the bank arrays are the device memory."""
+    """N device slots holding (layer, expert) pairs, LRU, with hit/miss counters."""
 
-    def __init__(self, n: int, hidden: int, inter: int):
+    def __init__(self, n: int, hidden: int, inter: int, device: str = "cpu", threads=None):
         self.n = n
-        self.bank = Fp4Bank(np.zeros((max(n, 1), 2 * inter, hidden // 2), np.uint8), np.zeros((max(n, 1), 2 * inter, hidden // 32), np.uint8),
-                            np.zeros((max(n, 1), hidden, inter // 2), np.uint8), np.zeros((max(n, 1), hidden, inter // 32), np.uint8))
+        self.mem = slot_memory(max(n, 1), hidden, inter, device, threads)
         self.where: OrderedDict = OrderedDict()     # (layer, expert) -> slot, LRU order (oldest first)
         self.hits = self.misses = 0
 
@@ -84,14 +142,21 @@ class SlotCache:
         if key in self.where:
             return self.lookup(key)
         slot = len(self.where) if len(self.where) < self.n else self.where.popitem(last=False)[1]
-        for name in ("w13_codes", "w13_scales", "w2_codes", "w2_scales"):
-            getattr(self.bank, name)[slot] = getattr(src, name)[row]
+        self.mem.put(slot, src, row)
         self.where[key] = slot
         return slot
 
 
+def _pinned(bank: Fp4Bank | None) -> Fp4Bank | None:
+    """The same bank in page-locked memory (CUDA hosts); the numpy views keep the pinned tensors alive."""
+    if bank is None:
+        return None
+    return Fp4Bank(*(torch.from_numpy(getattr(bank, k)).pin_memory().numpy()
+                     for k in ("w13_codes", "w13_scales", "w2_codes", "w2_scales")))
+
+
 class PlacedExperts:
-    def __init__(self, ck: Checkpoint, plan: Plan, reader: BatchedReader | None = None):
+    def __init__(self, ck: Checkpoint, plan: Plan, reader: BatchedReader | None = None, device: str = "cpu"):
         cfg = ck.config
         self.ck, self.cfg, self.plan = ck, cfg, plan
         self.threads = plan.cpu_threads or None
@@ -99,13 +164,15 @@ class PlacedExperts:
         total = L * E if plan.host_expert_budget_gib is None else min(L * E, int(plan.host_expert_budget_gib * (1 << 30) // eb))
         per_layer = [total // L + (1 if i < total % L else 0) for i in range(L)]
         self.resident = per_layer                               # experts 0..resident[i]-1 in the host bank
-        self.host = [_bank([expert_raw(ck, f"layers.{i}.ffn.experts.{e}") for e in range(per_layer[i])]) if per_layer[i] else None
+        self.host = [Fp4Bank.from_experts([expert_raw(ck, f"layers.{i}.ffn.experts.{e}") for e in range(per_layer[i])]) if per_layer[i] else None
                      for i in range(L)]
-        self.shared_bank = [_bank([expert_raw(ck, f"layers.{i}.ffn.shared_experts")]) if cfg.n_shared_experts else None
+        if device.startswith("cuda"):        # pinned host banks: gathers become true async DMA copies
+            self.host = [_pinned(b) for b in self.host]
+        self.shared_bank = [Fp4Bank.from_experts([expert_raw(ck, f"layers.{i}.ffn.shared_experts")]) if cfg.n_shared_experts else None
                             for i in range(L)]
         self.reader = reader if reader is not None else (BatchedReader(depth=8) if total < L * E else None)
         self.seconds = defaultdict(float)
-        self.cache = SlotCache(plan.slot_cache_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.cache = SlotCache(plan.slot_cache_experts, cfg.hidden_size, cfg.moe_intermediate_size, device, self.threads)
         for k in range(min(plan.slot_cache_experts, L * E)):    # warm start: lowest ids of each layer
             i, e = k % L, k // L
             self.cache.put((i, e), *self._source(i, [e]))
@@ -140,7 +207,7 @@ class PlacedExperts:
             raws.append({"w1": (parts[0].reshape(I, H // 2), parts[1].reshape(I, H // 32)),
                          "w2": (parts[2].reshape(H, I // 2), parts[3].reshape(H, I // 32)),
                          "w3": (parts[4].reshape(I, H // 2), parts[5].reshape(I, H // 32))})
-        return _bank(raws), list(range(len(experts)))
+        return Fp4Bank.from_experts(raws), list(range(len(experts)))
 
     # ------------------------------------------------------------------ compute
     def _run(self, bank, x, ids, wts, key):
@@ -190,22 +257,52 @@ class PlacedExperts:
                     self.cache.put((layer, e), bank, r)
             slots = [self.cache.lookup((layer, e)) for e in dev_keys] if self.cache.n else None
             self.seconds["gather"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
             if slots is None:                      # offload with no cache: a transient staging bank
                 bank, rows = self._fetch(layer, dev_keys)
                 job = self._subset(x, ids_np, w_np, dev_keys, rows, bank)
+                y += expert_ffn(x, job[1], job[2], job[0], threads=self.threads)
             else:
-                job = self._subset(x, ids_np, w_np, dev_keys, slots, self.cache.bank)
-            y += self._run(job[0], x, job[1], job[2], "device_moe")
+                _, sub_ids, sub_w = self._subset(x, ids_np, w_np, dev_keys, slots, None)
+                y += self.cache.mem.compute(x, sub_ids, sub_w)
+            self.seconds["device_moe"] += time.perf_counter() - t0
         if fut is not None:
             y += fut.result()
         self.seconds["moe_layer_total"] += time.perf_counter() - t_layer
-        return torch.from_numpy(y).to(m.dtype)
+        return torch.from_numpy(y).to(device=m.device, dtype=m.dtype)
 
     def shared(self, layer, m):
         x = m.detach().to(torch.float32).cpu().numpy()
         T = len(x)
         y = self._run(self.shared_bank[layer], x, np.zeros((T, 1), np.int64), np.ones((T, 1), np.float32), "shared_moe")
-        return torch.from_numpy(y).to(m.dtype)
+        return torch.from_numpy(y).to(device=m.device, dtype=m.dtype)
+
+    # ---------------------------------------------------------------- probes through this path
+    def dispatch_seconds(self, layer: int, repeats: int = 20) -> list[float]:
+        """The fixed per-layer cost of dispatching MoE work (submit, wait, merge) through routed():
+        one token whose router weights are all zero, so no expert bytes are read. -> samples (s)."""
+        H, K = self.cfg.hidden_size, self.cfg.num_experts_per_tok
+        m = torch.zeros(1, H)
+        ids = torch.arange(K)[None] % self.cfg.n_routed_experts
+        out = []
+        for _ in range(repeats + 2):
+            t0 = time.perf_counter()
+            self.routed(layer, m, ids, torch.zeros(1, K))
+            out.append(time.perf_counter() - t0)
+        return out[2:]
+
+    def gather_seconds(self, layer: int, n_miss: int) -> float:
+        """Time to gather `n_miss` experts of `layer` (not cached yet) into the slot cache."""
+        todo = [e for e in range(self.cfg.n_routed_experts) if self.cache.lookup((layer, e)) is None][:n_miss]
+        if not self.cache.n or len(todo) < n_miss:
+            raise ValueError(f"cannot gather {n_miss} uncached experts into a cache of {self.cache.n} slots")
+        t0 = time.perf_counter()
+        bank, rows = self._fetch(layer, todo)
+        for e, r in zip(todo, rows):
+            self.cache.put((layer, e), bank, r)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
 
     @property
     def hit_rate(self) -> float:

@@ -244,7 +244,7 @@ class Model:
 
     def _engram(self, i, h, row_ids):
         t0 = time.perf_counter()
-        e = self.engram.rows(i, row_ids).to(self.dtype).reshape(len(h), -1)   # [T, S*D]
+        e = self.engram.rows(i, row_ids).to(device=self.device, dtype=self.dtype).reshape(len(h), -1)   # [T, S*D]
         self.phases.add("engram_wait", t0)
         k = self.L(f"layers.{i}.engram.wk", e)
         v = self.L(f"layers.{i}.engram.wv", e)

@@ -181,3 +181,15 @@ def test_eviction_is_checked_with_mincore(tmp_path):
     if after > 0.9:
         pytest.skip("this filesystem keeps clean pages on POSIX_FADV_DONTNEED (tmpfs?): cold runs cannot be made here")
     assert after < 0.1
+
+
+def test_dispatch_and_gather_costs_are_exposed(ck):
+    from runtime.experts import PlacedExperts
+    pe = PlacedExperts(ck, Plan(moe_strategy="offload", slot_cache_experts=40))
+    d = pe.dispatch_seconds(3, repeats=5)
+    assert len(d) == 5 and all(0 < s < 1 for s in d)
+    one, four = pe.gather_seconds(2, 1), pe.gather_seconds(2, 4)
+    assert one > 0 and four > 0 and pe.cache.lookup((2, 4)) is not None
+    with pytest.raises(ValueError, match="cannot gather"):
+        pe.gather_seconds(2, 100)
+    pe.close()

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU check, for a lent CUDA machine (one command, a few minutes). It needs torch, triton, numba,
+# tokenizers, safetensors, rich and psutil (no optuna, no fastapi, no network) and writes JSON and logs
+# under $OUT (default out/gpu-check):
+#   device.txt        torch / CUDA / device name
+#   pytest.log        every CUDA-capable test: Triton kernels, the Triton slot cache, the runtime vs reference
+#   run-*.json        dsv41-run with three plans on a tiny checkpoint (one with a 32 GiB vram_budget)
+#   gpu_kernels.json  the Triton kernels against the device copy bandwidth
+#   probes.json       the host probes that exist (DRAM stream read)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/gpu-check}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+CK=${CK:-/tmp/dsv41-gpu-tiny}
+PY=${PYTHON:-python3}
+"$PY" -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-')" | tee "$OUT/device.txt"
+"$PY" -m runtime.cli.checkpoint make --preset tiny --out "$CK" --seed 0 || exit 1
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_triton_gpu.py tests/runtime/test_device_slots.py \
+  tests/runtime/test_runtime.py 2>&1 | tee "$OUT/pytest.log"
+i=0
+for plan in '{"moe_strategy": "cpu", "prefill_chunk": 16}' \
+            '{"moe_strategy": "offload", "slot_cache_experts": 64, "prefill_chunk": 7}' \
+            '{"moe_strategy": "hybrid", "slot_cache_experts": 32, "fetch_fraction": 0.5, "vram_budget_gib": 32}'; do
+  i=$((i + 1))
+  echo "$plan" > "$OUT/plan-$i.json"
+  "$PY" -m runtime.cli.run --checkpoint "$CK" --plan "$OUT/plan-$i.json" --prompt-tokens 200 --max-tokens 32 --json \
+    > "$OUT/run-$i.json" 2> "$OUT/run-$i.err" || echo "run $i failed (see run-$i.err)"
+done
+"$PY" benchmarks/gpu_kernels.py > "$OUT/gpu_kernels.json" 2>&1 || echo "gpu_kernels failed"
+"$PY" -c "
+import json; from autotune.probes.dram import dram_stream_read; import os
+m = dram_stream_read(os.cpu_count() or 1, repeats=3)
+print(json.dumps({'dram_stream_read_gbs': m.to_dict()}))" > "$OUT/probes.json" 2>&1 || echo "probes failed"
+tail -3 "$OUT/pytest.log"
