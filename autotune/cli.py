@@ -1,4 +1,6 @@
-"""`dsv41-tune`: plan for a host.
+"""`dsv41-tune`: profile a host and plan for it.
+
+  dsv41-tune profile --checkpoint DIR [--out FILE] [--quick]
 
   dsv41-tune plan --profile HOST.json (--checkpoint DIR | --config CONFIG.json|PRESET)
                   [--prompt-tokens P] [--max-tokens M] [--ttft-budget S] [--vram-budget GIB]
@@ -109,6 +111,38 @@ def _print(profile, fp, wl, pick, pred, runner, assumed, study, front):
         c.print(f"study {study.study_name}: {len(study.trials)} trials, Pareto front {len(front)} plans")
 
 
+def cmd_profile(args) -> int:
+    import platform
+
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from autotune.profile import save_profile
+    from autotune.profiler import run_profile, summary_rows
+    out = args.out or f"profiles/local/{platform.node() or 'host'}.json"
+    with Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), TimeElapsedColumn(),
+                  console=console(stderr=True), transient=True) as bar:
+        task = bar.add_task("profiling", total=None)
+        prof = run_profile(args.checkpoint, quick=args.quick, progress=lambda name: bar.update(task, description=name))
+    save_profile(out, prof)
+    c = console()
+    t = Table(title=f"dsv41 profile: {prof['host']['name']} ({'quick' if args.quick else 'full'})")
+    t.add_column("path"), t.add_column("measured: median, min-max")
+    for name, fig in summary_rows(prof):
+        t.add_row(name, fig)
+    c.print(t)
+    nv = Table(title="NVMe random 4 KiB, O_DIRECT, the runtime's batched reader")
+    for col in ("QD", "IOPS", "p50 us", "p95 us", "I/O path"):
+        nv.add_column(col, justify="right")
+    for e in prof["measurements"]["nvme_randread_4k"]:
+        nv.add_row(str(e["qd"]), f"{e['iops']:,.0f}", f"{e['p50_us']:.0f}", f"{e['p95_us']:.0f}", e["io_path"] + (f" ({e['fallback']})" if e.get("fallback") else ""))
+    c.print(nv)
+    for e in prof["measurements"]["nvme_engram_pattern"]:
+        c.print(f"Engram pattern, 48 rows/token: serial {e['serial_ms_per_token']:.2f} ms, batched at QD{e['qd']} {e['batched_ms_per_token']:.2f} ms")
+    c.print(f"wrote {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsv41-tune", description="plan, profile and tune dsv41 for this host")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -128,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Optuna storage URL to share studies across hosts (default: a journal file under $DSV41_CACHE)")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(fn=cmd_plan)
+    pr = sub.add_parser("profile", help="measure this host (a trustworthy ft bench bw) into a profile")
+    pr.add_argument("--checkpoint", required=True, help="checkpoint directory (its geometry and Engram file are probed)")
+    pr.add_argument("--out", help="profile file (default: profiles/local/<host>.json)")
+    pr.add_argument("--quick", action="store_true", help="short probes (CI, demos): under a minute")
+    pr.set_defaults(fn=cmd_profile)
     return p
 
 

@@ -1,0 +1,124 @@
+"""NVMe probes through the runtime's own BatchedReader (the path serving uses).
+
+  random 4 KiB reads at queue depths 1..64: IOPS, p50/p95 per-read latency (O_DIRECT)
+  the Engram pattern: 48 row reads per token, serial (one read at a time) vs batched at each depth,
+    and a prefill batch of thousands of rows deduplicated into blocks
+  sequential reads of expert-sized blocks (GB/s), for experts beyond host RAM
+  the reader's software ceiling: rows/s from a page-cached file, where the device is not the limit
+The probe file is the one the Engram tables live on when it is >= 1 GiB, else a scratch file of
+1 GiB on the same filesystem (made once, removed after).
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from autotune.measure import Measurement
+from runtime.io_reader import BLOCK, BatchedReader
+
+MIN_FILE = 1 << 30
+DEPTHS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def probe_file(preferred: Path | None, directory: Path) -> tuple[Path, bool]:
+    """-> (path, is_scratch)."""
+    if preferred is not None and preferred.exists() and preferred.stat().st_size >= MIN_FILE:
+        return preferred, False
+    path = directory / ".dsv41-nvme-probe.bin"
+    if not path.exists() or path.stat().st_size < MIN_FILE:
+        chunk = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes()
+        with open(path, "wb") as f:
+            for _ in range(MIN_FILE // len(chunk)):
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+    return path, True
+
+
+def randread_4k(path: Path, depth: int, n_reads: int, seed: int = 0, direct: bool = True) -> dict:
+    size = path.stat().st_size
+    offs = np.random.default_rng(seed + depth).integers(0, size // BLOCK, n_reads) * BLOCK
+    r = BatchedReader(depth=depth, direct=direct)
+    lat: list = []
+    try:
+        r.read([(str(path), int(o), BLOCK) for o in offs[: min(64, n_reads)]])   # warm-up (opens, threads)
+        t0 = time.perf_counter()
+        r.read([(str(path), int(o), BLOCK) for o in offs], latencies=lat)
+        dt = time.perf_counter() - t0
+    finally:
+        r.close()
+    us = np.array(lat) * 1e6
+    return {"qd": depth, "iops": n_reads / dt, "p50_us": float(np.percentile(us, 50)), "p95_us": float(np.percentile(us, 95)),
+            "io_path": r.path, "fallback": r.fallback_reason}
+
+
+def engram_pattern(path: Path, depth: int, tokens: int, rows_per_token: int = 48, row_bytes: int = 264, seed: int = 1) -> dict:
+    """Seconds per token for `rows_per_token` random rows: one read at a time vs batched at `depth`."""
+    size = path.stat().st_size
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(0, size // row_bytes - 1, (tokens, rows_per_token)) * row_bytes
+    out = {}
+    for mode, d in (("serial", 1), ("batched", depth)):
+        r = BatchedReader(depth=d)
+        try:
+            t0 = time.perf_counter()
+            for tok in rows:
+                if mode == "serial":
+                    for o in tok:
+                        r.read([(str(path), int(o), row_bytes)])
+                else:
+                    r.read([(str(path), int(o), row_bytes) for o in tok])
+            out[f"{mode}_ms_per_token"] = (time.perf_counter() - t0) / tokens * 1e3
+        finally:
+            r.close()
+    return {"qd": depth, **out}
+
+
+def prefill_rows(path: Path, depth: int, n_rows: int, row_bytes: int = 264, seed: int = 2) -> dict:
+    """A prefill batch: n_rows random rows -> deduplicated, sorted 4 KiB blocks read at `depth`."""
+    size = path.stat().st_size
+    offs = np.random.default_rng(seed).integers(0, size // row_bytes - 1, n_rows) * row_bytes
+    blocks = np.unique(np.concatenate([offs // BLOCK, (offs + row_bytes - 1) // BLOCK]))
+    r = BatchedReader(depth=depth)
+    try:
+        t0 = time.perf_counter()
+        r.read([(str(path), int(b) * BLOCK, BLOCK) for b in blocks])
+        dt = time.perf_counter() - t0
+    finally:
+        r.close()
+    return {"qd": depth, "rows": n_rows, "blocks": int(len(blocks)), "seconds": dt, "rows_per_s": n_rows / dt}
+
+
+def seq_read(path: Path, block_bytes: int, n_blocks: int, depth: int = 4) -> Measurement:
+    size = path.stat().st_size
+    n = max(1, min(n_blocks, size // block_bytes))
+    r = BatchedReader(depth=depth)
+    samples = []
+    try:
+        for i in range(n):
+            t0 = time.perf_counter()
+            r.read([(str(path), (i * block_bytes) % (size - block_bytes), block_bytes)])
+            samples.append(block_bytes / (time.perf_counter() - t0) / 1e9)
+    finally:
+        r.close()
+    return Measurement(tuple(samples), "GB/s", note=f"sequential {block_bytes} B blocks through the batched reader, depth {depth}")
+
+
+def software_ceiling(path: Path, n_reads: int, depth: int) -> dict:
+    """Rows/s reading 4 KiB blocks of a page-cached region (buffered): the reader's own limit."""
+    region = min(path.stat().st_size, 256 << 20)
+    with open(path, "rb") as f:                                   # bring the region into the page cache
+        while f.tell() < region and f.read(16 << 20):
+            pass
+    offs = np.random.default_rng(3).integers(0, region // BLOCK, n_reads) * BLOCK
+    r = BatchedReader(depth=depth, direct=False)
+    try:
+        t0 = time.perf_counter()
+        r.read([(str(path), int(o), BLOCK) for o in offs])
+        dt = time.perf_counter() - t0
+    finally:
+        r.close()
+    return {"qd": depth, "rows_per_s": n_reads / dt, "io_path": "buffered (page cache)"}

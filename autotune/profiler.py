@@ -1,0 +1,196 @@
+"""The profiler: every probe, on this host, into one profile (docs/profile-schema.md).
+
+run_profile(checkpoint, quick) measures: DRAM stream read; the CPU-MoE kernel at the checkpoint's
+expert geometry and always at the full V4.1 and V4-Flash geometries (batch 1, verify widths, prefill
+widths; swept over threads); bf16 matmul throughput; the per-layer MoE dispatch cost through the
+runtime's own path; PCIe copies and expert gather when CUDA is present (skipped with the reason
+otherwise, never zero); CPU-MoE contended with NVMe reads (and with PCIe gather on GPU hosts); NVMe
+random 4 KiB reads at queue depths 1..64, the Engram row pattern serial vs batched, a prefill row
+batch, sequential expert-sized reads and the reader's software ceiling -- all through the runtime's
+batched reader. Every figure: warm-up, repeats, raw samples, source `measured`.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from autotune.fingerprint import fingerprint
+from autotune.host import physical_cores
+from autotune.measure import Measurement, measure
+from autotune.probes import nvme
+from autotune.probes.cpu_moe import GEOMETRIES, cpu_moe, random_bank
+from autotune.probes.dram import dram_stream_read
+from autotune.profile import SCHEMA
+from runtime.checkpoint.reader import Checkpoint
+from runtime.plan import Plan
+
+
+def _fig(m: Measurement, **kw) -> dict:
+    d = m.to_dict()
+    d.update(kw)
+    return d
+
+
+def _skipped(reason: str) -> dict:
+    return {"skipped": reason}
+
+
+def _matmul_tflops(quick: bool) -> Measurement:
+    n = 1024 if quick else 2048
+    a, b = torch.randn(n, n, dtype=torch.bfloat16), torch.randn(n, n, dtype=torch.bfloat16)
+    m = measure(lambda: a @ b, repeats=5 if quick else 10, warmup=2)
+    return m.map(lambda s: 2 * n ** 3 / s / 1e12, "TFLOP/s")
+
+
+def _dispatch_us(ck: Checkpoint, threads: int) -> Measurement:
+    from runtime.experts import PlacedExperts
+    cfg = ck.config
+    budget = cfg.num_hidden_layers * cfg.num_experts_per_tok * cfg.expert_bytes / 2**30 * 1.01
+    pe = PlacedExperts(ck, Plan(cpu_threads=threads, host_expert_budget_gib=budget))
+    try:
+        s = pe.dispatch_seconds(min(1, cfg.num_hidden_layers - 1), repeats=20)
+    finally:
+        pe.close()
+    return Measurement(tuple(x * 1e6 for x in s), "us", note="routed() per layer minus its kernels' time (runtime path)")
+
+
+def _pcie(ck: Checkpoint, quick: bool) -> dict:
+    if not torch.cuda.is_available():
+        reason = "no CUDA device on this host"
+        return {"pcie_h2d_gbs": _skipped(reason), "pcie_d2h_gbs": _skipped(reason), "pcie_gather_gbs": _skipped(reason)}
+    n = (256 if quick else 1024) << 20
+    host = torch.empty(n, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+
+    def timed(f):
+        def run():
+            f()
+            torch.cuda.synchronize()
+        return measure(run, repeats=5, warmup=2).map(lambda s: n / s / 1e9, "GB/s")
+    h2d = timed(lambda: dev.copy_(host, non_blocking=True))
+    d2h = timed(lambda: host.copy_(dev, non_blocking=True))
+    from runtime.experts import PlacedExperts
+    cfg = ck.config
+    pe = PlacedExperts(ck, Plan(moe_strategy="offload", slot_cache_experts=64), device="cuda")
+    try:
+        by_miss = {k: pe.gather_seconds(1 % cfg.num_hidden_layers, k) for k in (1, 6) if k <= min(64, cfg.n_routed_experts - 8)}
+    finally:
+        pe.close()
+    k = max(by_miss)
+    gather = Measurement((k * cfg.expert_bytes / by_miss[k] / 1e9,), "GB/s", note="gather into the slot cache",
+                         extra={"seconds_by_misses": by_miss})
+    return {"pcie_h2d_gbs": _fig(h2d), "pcie_d2h_gbs": _fig(d2h), "pcie_gather_gbs": _fig(gather, geometry=f"{cfg.hidden_size}x{cfg.moe_intermediate_size}")}
+
+
+def _contended(bank, threads, path: Path, n_reads: int) -> dict:
+    """CPU-MoE and NVMe random reads at the same time: each side's figure."""
+    res = {}
+
+    def io():
+        res["nvme"] = nvme.randread_4k(path, 8, n_reads, seed=9)
+    t = threading.Thread(target=io)
+    t.start()
+    res["cpu"] = cpu_moe(bank, 1, threads, repeats=8)
+    t.join()
+    nv = res["nvme"]
+    return {"pair": "cpu_moe+nvme_randread", "geometry": f"{bank.hidden}x{bank.inter}",
+            "cpu_moe_gbs": _fig(res["cpu"]),
+            "nvme_randread_iops": {"median": nv["iops"], "min": nv["iops"], "max": nv["iops"], "samples": [nv["iops"]],
+                                   "unit": "IOPS", "source": "measured", "note": "QD 8, while the CPU-MoE probe ran"}}
+
+
+def run_profile(checkpoint, quick: bool = False, progress=None) -> dict:
+    """-> a profile dict (schema dsv41-profile/1). progress(name) is called as each probe starts."""
+    def step(name):
+        if progress:
+            progress(name)
+    ck = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+    cfg = ck.config
+    cores = physical_cores()
+    threads_sweep = [cores] if quick else sorted({1, max(1, cores // 2), cores})
+    step("fingerprint")
+    host = fingerprint(ck.root, cfg.geometry_hash())
+    m: dict = {}
+    step("DRAM stream read")
+    m["dram_stream_read_gbs"] = _fig(dram_stream_read(cores, repeats=3 if quick else 7), threads=cores)
+    geoms = {f"{cfg.hidden_size}x{cfg.moe_intermediate_size}": (cfg.hidden_size, cfg.moe_intermediate_size)}
+    for h, i in GEOMETRIES.values():
+        geoms.setdefault(f"{h}x{i}", (h, i))
+    widths = (1, 6) if quick else (1, 2, 4, 6, 64, 256)
+    m["cpu_moe_gbs"] = []
+    served_bank = None
+    for gname, (H, I) in geoms.items():
+        step(f"CPU-MoE {gname}")
+        bank = random_bank(H, I)
+        for t in threads_sweep:
+            for w in widths:
+                if w > 8 and t != cores:
+                    continue
+                r = cpu_moe(bank, w, t, top_k=cfg.num_experts_per_tok, repeats=6 if quick else 12)
+                m["cpu_moe_gbs"].append(_fig(r, geometry=gname, tokens=w, threads=t))
+        # the contended pair runs at the served geometry, or V4.1's where the served experts are toy-sized
+        if served_bank is None and (bank.expert_bytes >= 1 << 20 or (H, I) == GEOMETRIES["deepseek-v4.1-flash"]):
+            served_bank = bank
+        else:
+            del bank
+    step("matmul")
+    m["matmul_tflops"] = _fig(_matmul_tflops(quick), dtype="bf16")
+    step("MoE dispatch (runtime path)")
+    m["moe_dispatch_fixed_us"] = _fig(_dispatch_us(ck, cores))
+    step("PCIe")
+    m.update(_pcie(ck, quick))
+    step("NVMe")
+    engram_shard = ck.shard_of(f"layers.{cfg.engram_layer_ids[0]}.engram.embed.weight") if cfg.engram_layer_ids else None
+    path, scratch = nvme.probe_file(engram_shard, ck.root)
+    rel = path.name if path.parent == ck.root else str(path)
+    try:
+        n_reads = 2000 if quick else 20000
+        curve = []
+        for qd in ((1, 8, 32) if quick else nvme.DEPTHS):
+            r = nvme.randread_4k(path, qd, n_reads)
+            curve.append({"qd": qd, "iops": r["iops"], "p50_us": r["p50_us"], "p95_us": r["p95_us"], "path": rel,
+                          "io_path": r["io_path"], "source": "measured", **({"fallback": r["fallback"]} if r["fallback"] else {})})
+        m["nvme_randread_4k"] = curve
+        m["nvme_engram_pattern"] = [nvme.engram_pattern(path, qd, 10 if quick else 40) for qd in ((8,) if quick else (4, 8, 32))]
+        m["nvme_prefill_rows"] = [nvme.prefill_rows(path, qd, 4096 if quick else 16384) for qd in ((1, 32) if quick else nvme.DEPTHS)]
+        block = cfg.expert_bytes if cfg.expert_bytes >= 1 << 20 else 3 * 5120 * 2304 * 17 // 32
+        m["nvme_seq_read_gbs"] = _fig(nvme.seq_read(path, block, 4 if quick else 16), block_bytes=block)
+        m["nvme_software_ceiling"] = nvme.software_ceiling(path, n_reads, 8)
+        step("contended")
+        m["contended"] = [_contended(served_bank, cores, path, n_reads)]
+        if torch.cuda.is_available():
+            m["contended"].append({"pair": "cpu_moe+pcie_gather", "note": "not measured yet on GPU hosts",
+                                   "cpu_moe_gbs": _skipped("contended gather probe not implemented"),
+                                   "pcie_gather_gbs": _skipped("contended gather probe not implemented")})
+    finally:
+        if scratch:
+            path.unlink(missing_ok=True)
+    return {"schema": SCHEMA, "host": host, "measurements": m, "plan": None, "predicted": None, "validation": None,
+            "checkpoint": str(ck.root), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "quick": quick}
+
+
+def summary_rows(profile: dict) -> list[tuple[str, str]]:
+    """(path, figure) rows in the spirit of `ft bench bw`."""
+    m = profile["measurements"]
+
+    def f(v, unit=None):
+        if not isinstance(v, dict):
+            return "-"
+        if "skipped" in v:
+            return f"skipped: {v['skipped']}"
+        s = f"{v['median']:.2f} {unit or v['unit']} [{v['min']:.2f}-{v['max']:.2f}]"
+        return s + (" (noisy)" if v.get("noisy") else "")
+    rows = [("DRAM stream read", f(m["dram_stream_read_gbs"]))]
+    for e in m["cpu_moe_gbs"]:
+        rows.append((f"CPU-MoE {e['geometry']} x{e['tokens']} t{e['threads']}",
+                     f(e) + f"  {e['extra'].get('gflops', 0):.0f} GFLOP/s" if "extra" in e else f(e)))
+    rows += [("matmul bf16", f(m["matmul_tflops"])), ("MoE dispatch per layer", f(m["moe_dispatch_fixed_us"])),
+             ("PCIe H2D", f(m["pcie_h2d_gbs"])), ("PCIe D2H", f(m["pcie_d2h_gbs"])), ("PCIe gather", f(m["pcie_gather_gbs"])),
+             ("NVMe sequential (expert blocks)", f(m["nvme_seq_read_gbs"]))]
+    for c in m.get("contended", []):
+        rows.append((f"contended {c['pair']}", ", ".join(f"{k} {f(v)}" for k, v in c.items() if isinstance(v, dict))))
+    return rows

@@ -1,0 +1,63 @@
+"""The profiler: a quick profile of this host on the tiny checkpoint, and its failure paths."""
+import errno
+import json
+import os
+
+import pytest
+
+from autotune.cli import main as tune_main
+from autotune.fingerprint import compare, fingerprint
+from autotune.profile import HARD_FIELDS, load_profile
+from runtime.io_reader import BatchedReader
+
+
+@pytest.fixture(scope="module")
+def quick_profile(tiny_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("prof") / "host.json"
+    assert tune_main(["profile", "--checkpoint", str(tiny_dir), "--quick", "--out", str(out)]) == 0
+    return out
+
+
+def test_quick_profile_is_complete_and_valid(quick_profile, tiny_dir):
+    p = load_profile(quick_profile)                     # validates against the schema
+    m = p["measurements"]
+    assert m["dram_stream_read_gbs"]["source"] == "measured" and len(m["dram_stream_read_gbs"]["samples"]) >= 3
+    geoms = {e["geometry"] for e in m["cpu_moe_gbs"]}
+    assert {"64x64", "5120x2304", "4096x2048"} <= geoms  # served geometry + both full-size ones
+    assert all(e["median"] > 0 for e in m["cpu_moe_gbs"])
+    for k in ("pcie_h2d_gbs", "pcie_gather_gbs"):
+        assert "skipped" in m[k] or m[k]["median"] > 0  # never a zero
+    qds = [e["qd"] for e in m["nvme_randread_4k"]]
+    assert qds == sorted(qds) and all(e["iops"] > 0 and e["p95_us"] >= e["p50_us"] > 0 for e in m["nvme_randread_4k"])
+    assert all(not e["path"].startswith("/") for e in m["nvme_randread_4k"])     # relative to the checkpoint
+    assert m["contended"][0]["pair"] == "cpu_moe+nvme_randread" and m["contended"][0]["cpu_moe_gbs"]["median"] > 0
+    assert m["moe_dispatch_fixed_us"]["median"] > 0
+    assert not (tiny_dir / ".dsv41-nvme-probe.bin").exists()                   # the scratch file is removed
+    assert all(k in p["host"]["hard"] for k in HARD_FIELDS)
+
+
+def test_fingerprint_hard_and_soft(tiny_dir):
+    a = fingerprint(tiny_dir, "g1")
+    assert a["soft"]["versions"]["torch"] and a["soft"]["storage"]["filesystem"]
+    b = json.loads(json.dumps(a))
+    b["hard"]["ram_gib"] += 64
+    b["soft"]["commit"] = "other"
+    hard, soft = compare(b, a)
+    assert len(hard) == 1 and hard[0].startswith("ram_gib") and soft[0].startswith("commit")
+
+
+def test_o_direct_unavailable_is_reported_with_the_fallback(tmp_path, monkeypatch):
+    f = tmp_path / "data.bin"
+    f.write_bytes(os.urandom(1 << 16))
+    real_open = os.open
+
+    def no_direct(path, flags, *a):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+    monkeypatch.setattr(os, "open", no_direct)
+    r = BatchedReader(depth=2)
+    out = r.read([(str(f), 10, 5000), (str(f), 40000, 300)])
+    assert bytes(out[0]) == f.read_bytes()[10:5010] and bytes(out[1]) == f.read_bytes()[40000:40300]
+    assert r.path == "buffered" and "O_DIRECT refused" in r.fallback_reason and "data.bin" in r.fallback_reason
+    r.close()
