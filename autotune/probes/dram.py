@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from autotune.host import available_bytes, llc_bytes
 from autotune.measure import Measurement, measure
@@ -18,25 +21,42 @@ class BufferTooSmall(ValueError):
     pass
 
 
-@njit(parallel=True, nogil=True, cache=True, fastmath=True)
+@intrinsic
+def _vsum4(typingctx, a, base, q):
+    """Sum a[base : base + 4q] as four interleaved streams of 64-byte loads (<16 x float>, explicit:
+    LLVM's auto-vectorizer picks 256-bit vectors here, which reads ~20% less from DRAM than 512-bit
+    loads do on this CPU), one vector accumulator per stream. q must be a multiple of 16."""
+    sig = types.float32(a, base, q)
+
+    def codegen(context, builder, signature, args):
+        arr, base_v, q_v = args
+        f32 = ir.FloatType()
+        vf = ir.VectorType(f32, 16)
+        data = context.make_array(signature.args[0])(context, builder, arr).data
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * 16)) for _ in range(4)]
+        with cgutils.for_range(builder, builder.udiv(q_v, ir.Constant(q_v.type, 16))) as loop:
+            i16 = builder.mul(loop.index, ir.Constant(q_v.type, 16))
+            for k in range(4):
+                off = builder.add(builder.add(base_v, builder.mul(q_v, ir.Constant(q_v.type, k))), i16)
+                v = builder.load(builder.bitcast(builder.gep(data, [off]), vf.as_pointer()), align=4)
+                builder.store(builder.fadd(builder.load(accs[k]), v), accs[k])
+        red = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, vf]), "llvm.vector.reduce.fadd.v16f32")
+        tot = ir.Constant(f32, 0.0)
+        for k in range(4):
+            tot = builder.fadd(tot, builder.call(red, [ir.Constant(f32, 0.0), builder.load(accs[k])]))
+        return tot
+    return sig, codegen
+
+
+@njit(parallel=True, nogil=True, cache=True)
 def _sum_streams(a, nthreads):
     """Each thread sums its contiguous share as 4 interleaved sub-streams: one sequential stream per
     thread leaves DRAM bandwidth unused here (7.4 vs 11.8 GB/s on one thread, measured)."""
     n = a.shape[0] // nthreads
-    q = n // 4
+    q = n // 4 // 16 * 16
     part = np.zeros(nthreads, np.float32)
     for b in prange(nthreads):
-        base = b * n
-        s0 = np.float32(0.0)
-        s1 = np.float32(0.0)
-        s2 = np.float32(0.0)
-        s3 = np.float32(0.0)
-        for i in range(q):                       # fastmath: vectorized
-            s0 += a[base + i]
-            s1 += a[base + q + i]
-            s2 += a[base + 2 * q + i]
-            s3 += a[base + 3 * q + i]
-        part[b] = s0 + s1 + s2 + s3
+        part[b] = _vsum4(a, b * n, q)
     return part.sum()
 
 
