@@ -95,33 +95,36 @@ class BatchedReader:
         if not requests:
             return []
         fds = {p: self._fd(p) for p in {p for p, _, _ in requests}}
-        pieces, views, base = [], [], 0           # piece: (path, aligned file offset, bytes, buffer offset)
-        for path, off, length in requests:
-            a0 = off - off % BLOCK
-            for p in range(0, max(length, 1), PIECE):
-                o, n = off + p, min(PIECE, length - p)
-                a = o - o % BLOCK
-                pieces.append((path, a, -(-(o + n) // BLOCK) * BLOCK - a, base + a - a0))
-            views.append((base + off - a0, length))
-            base += -(-(off + length) // BLOCK) * BLOCK - a0
-        big = _aligned(base)
+        # vectorized plan: piece = (fd, aligned file offset, bytes, offset in the buffer); requests
+        # longer than PIECE are split so that `depth` applies to them too
+        fd_of = np.array([fds[p] for p, _, _ in requests], np.int64)
+        off = np.array([o for _, o, _ in requests], np.int64)
+        length = np.array([n for _, _, n in requests], np.int64)
+        a0 = off - off % BLOCK
+        span = -(-(off + length) // BLOCK) * BLOCK - a0                    # aligned bytes per request
+        start = np.concatenate([[0], np.cumsum(span)[:-1]])                # request's place in the buffer
+        npieces = np.maximum(1, -(-length // PIECE))
+        r = np.repeat(np.arange(len(requests)), npieces)                   # piece -> request
+        k = np.arange(len(r)) - np.repeat(np.cumsum(npieces) - npieces, npieces)
+        o = off[r] + k * PIECE
+        n = np.minimum(PIECE, length[r] - k * PIECE)
+        a = o - o % BLOCK
+        p_fd, p_off, p_len = fd_of[r], a, -(-(o + n) // BLOCK) * BLOCK - a
+        p_dst = start[r] + a - a0[r]
+        big = _aligned(int(span.sum()))
         mv = memoryview(big)
         addr = np.frombuffer(big, np.uint8).ctypes.data
-        per = -(-len(pieces) // self.depth)
         timed = latencies is not None
+        path_of_fd = {fd: p for p, fd in fds.items()}
 
-        def work(batch):
-            fd = np.array([fds[p] for p, _, _, _ in batch], np.int64)
-            offs = np.array([a for _, a, _, _ in batch], np.int64)
-            sizes = np.array([n for _, _, n, _ in batch], np.int64)
-            dests = np.array([d for _, _, _, d in batch], np.int64)
-            got, ns = np.empty(len(batch), np.int64), np.zeros(len(batch), np.int64)
-            _pread_batch(fd, addr, offs, dests, sizes, got, ns, timed, np.zeros(2, np.int64))
-            for i in np.nonzero(got != sizes)[0]:          # EOF tails, partial reads, errors: the slow path
-                path, a, nbytes, dest = batch[i]
-                dst = mv[dest: dest + nbytes]
+        def work(sl):
+            got, ns = np.empty(sl.stop - sl.start, np.int64), np.zeros(sl.stop - sl.start, np.int64)
+            _pread_batch(p_fd[sl], addr, p_off[sl], p_dst[sl], p_len[sl], got, ns, timed, np.zeros(2, np.int64))
+            for i in np.nonzero(got != p_len[sl])[0] + sl.start:  # EOF tails, partial reads, errors: slow path
+                path = path_of_fd[int(p_fd[i])]
+                dst = mv[p_dst[i]: p_dst[i] + p_len[i]]
                 try:
-                    self._read_one(fds[path], a, nbytes, dst)
+                    self._read_one(fds[path], int(p_off[i]), int(p_len[i]), dst)
                 except OSError as e:
                     if e.errno != 22 or self.path != "o_direct":
                         raise
@@ -129,18 +132,21 @@ class BatchedReader:
                         if fds[path] in self._fds.values():
                             self._fallback(path, e)
                         fds[path] = self._fd(path)
-                    self._read_one(fds[path], a, nbytes, dst)
+                    self._read_one(fds[path], int(p_off[i]), int(p_len[i]), dst)
                 dst.release()
             if timed:
                 latencies.extend((ns * 1e-9).tolist())
-        if self.depth == 1 or len(pieces) == 1:
-            work(pieces)
+        per = -(-len(r) // self.depth)
+        pieces = [slice(i, min(i + per, len(r))) for i in range(0, len(r), per)]
+        if len(pieces) == 1:
+            work(pieces[0])
         else:
-            list(self.pool.map(work, [pieces[k: k + per] for k in range(0, len(pieces), per)]))
+            list(self.pool.map(work, pieces))
         mv.release()
         self.requests += len(requests)
-        self.bytes_read += sum(length for _, _, length in requests)
-        return [np.frombuffer(big, np.uint8, n, off) for off, n in views]
+        self.bytes_read += int(length.sum())
+        view_at = start + off - a0
+        return [np.frombuffer(big, np.uint8, int(n_), int(v)) for v, n_ in zip(view_at.tolist(), length.tolist())]
 
     def _fallback(self, path, err):
         fd = self._fds.pop(path, None)
