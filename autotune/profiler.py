@@ -23,7 +23,7 @@ from autotune.host import physical_cores
 from autotune.measure import Measurement, measure
 from autotune.probes import nvme
 from autotune.probes.cpu_moe import GEOMETRIES, cpu_moe, random_bank
-from autotune.probes.dram import dram_stream_read
+from autotune.probes.dram import dram_copy, dram_stream_read
 from autotune.profile import SCHEMA
 from runtime.checkpoint.reader import Checkpoint
 from runtime.plan import Plan
@@ -117,6 +117,7 @@ def run_profile(checkpoint, quick: bool = False, progress=None) -> dict:
     m: dict = {}
     step("DRAM stream read")
     m["dram_stream_read_gbs"] = _fig(dram_stream_read(cores, repeats=3 if quick else 7), threads=cores)
+    m["dram_copy_gbs"] = _fig(dram_copy(cores, repeats=3 if quick else 5), threads=cores, note="bytes copied")
     geoms = {f"{cfg.hidden_size}x{cfg.moe_intermediate_size}": (cfg.hidden_size, cfg.moe_intermediate_size)}
     for h, i in GEOMETRIES.values():
         geoms.setdefault(f"{h}x{i}", (h, i))
@@ -184,7 +185,7 @@ def summary_rows(profile: dict) -> list[tuple[str, str]]:
             return f"skipped: {v['skipped']}"
         s = f"{v['median']:.2f} {unit or v['unit']} [{v['min']:.2f}-{v['max']:.2f}]"
         return s + (" (noisy)" if v.get("noisy") else "")
-    rows = [("DRAM stream read", f(m["dram_stream_read_gbs"]))]
+    rows = [("DRAM stream read", f(m["dram_stream_read_gbs"])), ("DRAM copy", f(m.get("dram_copy_gbs")))]
     for e in m["cpu_moe_gbs"]:
         rows.append((f"CPU-MoE {e['geometry']} x{e['tokens']} t{e['threads']}",
                      f(e) + f"  {e['extra'].get('gflops', 0):.0f} GFLOP/s" if "extra" in e else f(e)))

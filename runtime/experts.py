@@ -170,6 +170,9 @@ class PlacedExperts:
             self.host = [_pinned(b) for b in self.host]
         self.shared_bank = [Fp4Bank.from_experts([expert_raw(ck, f"layers.{i}.ffn.shared_experts")]) if cfg.n_shared_experts else None
                             for i in range(L)]
+        # the DSpark drafter's experts (its own MoE), loaded when the plan uses speculative decoding
+        self.drafter = [Fp4Bank.from_experts([expert_raw(ck, f"mtp.{k}.ffn.experts.{e}") for e in range(cfg.dspark_n_routed_experts)])
+                        for k in range(cfg.dspark_num_layers)] if plan.dspark else []
         self.reader = reader if reader is not None else (BatchedReader(depth=8) if total < L * E else None)
         self.seconds = defaultdict(float)
         self.cache = SlotCache(plan.slot_cache_experts, cfg.hidden_size, cfg.moe_intermediate_size, device, self.threads)

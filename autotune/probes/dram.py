@@ -74,3 +74,21 @@ def dram_stream_read(threads: int, nbytes: int | None = None, repeats: int = 7) 
     numba.set_num_threads(threads)
     m = measure(lambda: _sum_streams(a, threads), repeats=repeats, warmup=1)
     return m.map(lambda s: nbytes / s / 1e9, "GB/s")
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _copy(dst, src, nthreads):
+    n = src.shape[0] // nthreads
+    for b in prange(nthreads):
+        dst[b * n:(b + 1) * n] = src[b * n:(b + 1) * n]
+
+
+def dram_copy(threads: int, nbytes: int | None = None, repeats: int = 5) -> Measurement:
+    """memcpy-style copy of a buffer >= 4x LLC; GB/s counts bytes copied (read + write = 2x that)."""
+    nbytes = (nbytes or stream_buffer_bytes()) // 2
+    if nbytes < 2 * llc_bytes():
+        raise BufferTooSmall(f"a {nbytes / 2**20:.0f} MiB copy is too small against the {llc_bytes() / 2**20:.0f} MiB last-level cache")
+    src, dst = np.ones(nbytes // 4, np.float32), np.zeros(nbytes // 4, np.float32)
+    numba.set_num_threads(threads)
+    m = measure(lambda: _copy(dst, src, threads), repeats=repeats, warmup=1)
+    return m.map(lambda s: nbytes / s / 1e9, "GB/s")
