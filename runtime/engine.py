@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 
 from runtime.budget import check_plan, check_request
 from runtime.checkpoint.reader import Checkpoint
-from runtime.engram_store import HostEngram
+from runtime.engram_store import EngramStore
 from runtime.experts import PlacedExperts, ReferenceExperts
 from runtime.model.transformer import Model
 from runtime.model.weights import load_dense
@@ -73,7 +73,11 @@ class Engine:
         t0 = time.perf_counter()
         dense = load_dense(self.ck, dtype, self.device)
         self.experts = ReferenceExperts(self.ck) if reference else PlacedExperts(self.ck, self.plan, device=self.device)
-        engram = HostEngram(self.ck) if self.cfg.engram_layer_ids else None
+        p = self.plan
+        self.engram = (EngramStore(self.ck) if reference else
+                       EngramStore(self.ck, p.engram_placement, p.engram_io_depth, p.engram_row_cache_mib, p.engram_scales_in_ram)
+                       ) if self.cfg.engram_layer_ids else None
+        engram = self.engram
         self.model = Model(self.cfg, dense, self.experts, engram, load_cmap(self.ck), dtype, self.device)
         self.load_s = time.perf_counter() - t0
 
@@ -116,10 +120,14 @@ class Engine:
     def _phases(self, reset: bool) -> dict:
         out = dict(self.model.phases.seconds)
         out.update(getattr(self.experts, "seconds", {}))
+        if self.engram is not None:
+            out.update({f"engram_{k}": v for k, v in self.engram.counters.items()})
         if reset:
             self.model.phases.seconds.clear()
             if hasattr(self.experts, "seconds"):
                 self.experts.seconds.clear()
+            if self.engram is not None:
+                self.engram.counters.clear()
         return out
 
     @staticmethod
@@ -132,3 +140,5 @@ class Engine:
     def close(self):
         if hasattr(self.experts, "close"):
             self.experts.close()
+        if self.engram is not None:
+            self.engram.close()

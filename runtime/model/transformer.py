@@ -240,6 +240,7 @@ class Model:
         for i, (primes, offsets, seeds) in self.engram_ranges.items():
             out[i] = engram_rows(cids, p0, c.engram_compressed_vocab_size, c.engram_max_ngram_size,
                                  c.engram_n_heads, primes, offsets, seeds)
+        self.engram.prefetch(out)          # every read issued now: they overlap the layers before each Engram layer
         return out
 
     def _engram(self, i, h, row_ids):

@@ -193,3 +193,35 @@ def test_dispatch_and_gather_costs_are_exposed(ck):
     with pytest.raises(ValueError, match="cannot gather"):
         pe.gather_seconds(2, 100)
     pe.close()
+
+
+@pytest.mark.parametrize("placement,depth,cache_mib,scales_in_ram", [
+    ("nvme_direct", 1, 0, True), ("nvme_direct", 8, 1, True), ("nvme_direct", 64, 0, False),
+    ("nvme_mmap", 8, 0, True)])
+def test_engram_placements_give_identical_output(ck, case, placement, depth, cache_mib, scales_in_ram):
+    prompt, _ = case
+    host = Engine(ck, Plan()).generate(prompt, 6, keep_logits=True)
+    e = Engine(ck, Plan(engram_placement=placement, engram_io_depth=depth, engram_row_cache_mib=cache_mib,
+                        engram_scales_in_ram=scales_in_ram))
+    out = e.generate(prompt, 6, keep_logits=True)
+    e.close()
+    assert out.tokens == host.tokens and all(torch.equal(a, b) for a, b in zip(out.logits, host.logits))
+    if placement == "nvme_direct":
+        c = out.prefill_phases
+        assert c["engram_rows_requested"] > 0 and c["engram_reads"] > 0
+        if not scales_in_ram:
+            assert c["engram_reads"] == 2 * c["engram_unique_rows"] - 2 * c["engram_cache_hits"]
+        if cache_mib:
+            assert out.phases["engram_cache_hits"] > 0           # decode reuses n-gram rows (natural text)
+
+
+def test_engram_table_of_the_wrong_size_refused(tiny_dir, tmp_path):
+    import shutil
+    d = tmp_path / "ck"
+    shutil.copytree(tiny_dir, d)
+    raw = json.loads((d / "config.json").read_text())
+    raw["text_config"]["engram_num_embeddings"][0] += 7
+    (d / "config.json").write_text(json.dumps(raw))
+    from runtime.checkpoint.safetensors_io import CheckpointError
+    with pytest.raises((CheckpointError, ValueError), match=r"engram.embed.weight.*\[(\d+), 32\].*\[\d+, 32\]"):
+        Engine(d, Plan(engram_placement="nvme_direct"))
