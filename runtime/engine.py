@@ -38,6 +38,7 @@ class Result:
     indexer_peak_bytes: int
     indexer_peak_formula_bytes: int
     logits: list = field(default_factory=list, repr=False)
+    dspark: dict = field(default_factory=dict)    # steps, drafted, accepted, mean_accepted, ... (DSpark on)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -57,6 +58,26 @@ def load_cmap(ck: Checkpoint) -> np.ndarray | None:
         raise ValueError(f"{path}: the tokenizer's compressed vocabulary has {int(cmap.max()) + 1} entries, the config's "
                          f"engram_compressed_vocab_size is {cfg.engram_compressed_vocab_size}: tokenizer and tables disagree")
     return cmap
+
+
+def verify_drafts(V, drafts, qs, temperature, gen) -> tuple[int, int]:
+    """The target's verdict on a draft block. V [d+1, vocab]: V[j] is the target's logits for the token
+    after the j-th verified input; drafts [d]; qs: the drafter's distributions (temperature > 0).
+    -> (accepted drafts a, the next token z). Greedy: keep while the draft is the target's argmax, z =
+    the target's argmax after them (lossless). Sampling: accept y_j with probability min(1, p(y)/q(y)),
+    else z ~ max(0, p - q) normalized; all accepted: z ~ p (the output distribution is exactly p)."""
+    a = 0
+    for j, y in enumerate(drafts):
+        if temperature <= 0:
+            if int(torch.argmax(V[j])) != y:
+                return a, int(torch.argmax(V[j]))
+        else:
+            p = torch.softmax(V[j].to(torch.float64) / temperature, -1)
+            if float(torch.rand((), generator=gen, dtype=torch.float64)) >= min(1.0, float(p[y] / qs[j][y])):
+                resid = torch.clamp(p - qs[j], min=0)
+                return a, int(torch.multinomial(resid / resid.sum(), 1, generator=gen))
+        a += 1
+    return a, Engine._sample(V[a], temperature, gen)
 
 
 class Engine:
@@ -99,15 +120,20 @@ class Engine:
             last = logits[-1]
             prefill_phases = self._phases(reset=True)
             t_first = time.perf_counter()
-            for step in range(max_tokens):
-                if keep_logits:
-                    logits_kept.append(last.detach().clone())
-                tok = self._sample(last, temperature, gen)
-                out.append(tok)
-                if step == 0:
-                    t_first = time.perf_counter()
-                if step + 1 < max_tokens:
-                    last = model.forward(st, [tok])[-1]
+            if plan.dspark and not self.reference and cfg.dspark_num_layers:
+                out, spec = self._speculative(st, last, max_tokens, temperature, gen, logits_kept if keep_logits else None)
+                t_first = spec.pop("t_first")
+            else:
+                spec = {}
+                for step in range(max_tokens):
+                    if keep_logits:
+                        logits_kept.append(last.detach().clone())
+                    tok = self._sample(last, temperature, gen)
+                    out.append(tok)
+                    if step == 0:
+                        t_first = time.perf_counter()
+                    if step + 1 < max_tokens:
+                        last = model.forward(st, [tok])[-1]
         t_end = time.perf_counter()
         decode_s = t_end - t_first
         return Result(out, t_first - t0, (max_tokens - 1) / decode_s if max_tokens > 1 and decode_s > 0 else 0.0,
@@ -115,7 +141,57 @@ class Engine:
                       getattr(self.experts, "hit_rate", 0.0),
                       st.indexer_peak_bytes,
                       int(4 * cfg.index_n_heads * min(chunk, len(prompt)) * max((cfg.n_blocks(len(prompt), x) for x in cfg.index_source_layers), default=0)),
-                      logits_kept)
+                      logits_kept, spec)
+
+    def _speculative(self, st, last, max_tokens, temperature, gen, keep):
+        """DSpark: draft up to draft_length tokens, verify them in one target pass, keep the accepted
+        prefix. Greedy: a draft is kept iff it is the target's argmax (lossless). Temperature > 0:
+        standard speculative sampling (accept with min(1, p/q), else resample from max(0, p - q)), so
+        the output distribution is the target's."""
+        model, cfg, d_max = self.model, self.cfg, self.plan.draft_length
+        targets = cfg.dspark_target_layer_ids
+        x1 = self._sample(last, temperature, gen)
+        t_first = time.perf_counter()
+        if keep is not None:
+            keep.append(last.detach().clone())
+        out = [x1]
+        hid = [st.target_hidden[layer][-1] for layer in targets]
+        self.state = st                                          # the live sequence (drafters may look)
+        stats = {"steps": 0, "drafted": 0, "accepted": 0, "verify_s": 0.0, "draft_s": 0.0}
+        while len(out) < max_tokens:
+            d = min(d_max, max_tokens - len(out))
+            t0 = time.perf_counter()
+            drafts, qs, tok, h = [], [], x1, hid
+            for _ in range(d):
+                dl, hx = model.draft(tok, h)
+                q = torch.softmax(dl.to(torch.float64) / temperature, -1) if temperature > 0 else None
+                y = int(torch.multinomial(q, 1, generator=gen)) if q is not None else int(torch.argmax(dl))
+                drafts.append(y)
+                qs.append(q)
+                tok, h = y, [hx] * len(targets)
+            t1 = time.perf_counter()
+            base = st.pos
+            V = model.forward(st, [x1] + drafts)                   # [d+1, vocab]: V[j] predicts the token after
+            t2 = time.perf_counter()
+            a, z = verify_drafts(V, drafts, qs, temperature, gen)
+            if keep is not None:
+                keep.extend(V[j].detach().clone() for j in range(a + 1))
+            out += drafts[:a] + [z]
+            st.rollback(base + 1 + a)
+            hid = [st.target_hidden[layer][a] for layer in targets]
+            x1 = z
+            stats["steps"] += 1
+            stats["drafted"] += d
+            stats["accepted"] += a
+            stats["draft_s"] += t1 - t0
+            stats["verify_s"] += t2 - t1
+        out = out[:max_tokens]
+        if keep is not None:
+            del keep[max_tokens:]
+        stats["mean_accepted"] = stats["accepted"] / max(stats["steps"], 1)
+        stats["acceptance_rate"] = stats["accepted"] / max(stats["drafted"], 1)
+        stats["t_first"] = t_first
+        return out, stats
 
     def _phases(self, reset: bool) -> dict:
         out = dict(self.model.phases.seconds)

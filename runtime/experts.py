@@ -58,6 +58,13 @@ class ReferenceExperts:
     def shared(self, layer, m):
         return self._ffn(f"layers.{layer}.ffn.shared_experts", m)
 
+    def drafter_moe(self, k, m, ids, wts):
+        y = self._ffn(f"mtp.{k}.ffn.shared_experts", m)
+        for e in torch.unique(ids).tolist():
+            t, j = (ids == e).nonzero(as_tuple=True)
+            y.index_add_(0, t, self._ffn(f"mtp.{k}.ffn.experts.{e}", m[t]) * wts[t, j][:, None])
+        return y
+
 
 class NumbaSlots:
     """Slot memory on the CPU 'device': ds_fp4 arrays computed by the numba kernel."""
@@ -173,6 +180,8 @@ class PlacedExperts:
         # the DSpark drafter's experts (its own MoE), loaded when the plan uses speculative decoding
         self.drafter = [Fp4Bank.from_experts([expert_raw(ck, f"mtp.{k}.ffn.experts.{e}") for e in range(cfg.dspark_n_routed_experts)])
                         for k in range(cfg.dspark_num_layers)] if plan.dspark else []
+        self.drafter_shared = [Fp4Bank.from_experts([expert_raw(ck, f"mtp.{k}.ffn.shared_experts")])
+                               for k in range(cfg.dspark_num_layers)] if plan.dspark and cfg.n_shared_experts else []
         self.reader = reader if reader is not None else (BatchedReader(depth=8) if total < L * E else None)
         self.seconds = defaultdict(float)
         self.cache = SlotCache(plan.slot_cache_experts, cfg.hidden_size, cfg.moe_intermediate_size, device, self.threads)
@@ -308,6 +317,16 @@ class PlacedExperts:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return time.perf_counter() - t0
+
+    def drafter_moe(self, k, m, ids, wts):
+        """The drafter's own MoE (its experts live in host RAM, computed by the CPU kernel)."""
+        x = m.detach().to(torch.float32).cpu().numpy()
+        t0 = time.perf_counter()
+        y = expert_ffn(x, ids.cpu().numpy(), wts.detach().to(torch.float32).cpu().numpy(), self.drafter[k], threads=self.threads)
+        if self.drafter_shared:
+            y += expert_ffn(x, np.zeros((len(x), 1), np.int64), np.ones((len(x), 1), np.float32), self.drafter_shared[k], threads=self.threads)
+        self.seconds["dspark_moe"] += time.perf_counter() - t0
+        return torch.from_numpy(y).to(device=m.device, dtype=m.dtype)
 
     @property
     def hit_rate(self) -> float:

@@ -9,6 +9,8 @@ E2M1 codes with E8M0 scales chosen so the weight RMS is ~1/sqrt(fan_in) (uniform
 jittered by +-1 exponent per group; Engram rows ~ N(0, 1) quantized per 32 values; norms 1 + N(0, .1).
 The directory gets config.json (with the derived engram_compressed_vocab_size), tokenizer.json and
 model.safetensors.index.json, written last, so an interrupted make leaves no loadable checkpoint.
+A drafter is then distilled against the random target (runtime/checkpoint/distill.py), so DSpark's
+acceptance is neither ~0 nor ~1.
 """
 from __future__ import annotations
 
@@ -122,4 +124,7 @@ def make_checkpoint(cfg: ModelConfig, out, seed: int = 0, skeleton: bool = False
     index = {"metadata": {"total_size": total, "producer": "dsv41-checkpoint", "seed": seed,
                           "skeleton": skeleton}, "weight_map": weight_map}
     _atomic_write_text(out / INDEX, json.dumps(index, indent=0))
+    if not skeleton and cfg.dspark_num_layers:
+        from runtime.checkpoint.distill import distill_drafter
+        distill_drafter(out)
     return out

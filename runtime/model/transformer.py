@@ -60,6 +60,14 @@ class SeqState:
     lat: dict         # kv source layer -> [ctx, C] per-position latent
     ik: dict          # kv source layer -> [ctx, Di] per-position index key
     indexer_peak_bytes: int = 0
+    target_hidden: dict = field(default_factory=dict)   # DSpark target layer -> [T', H] of the last forward
+    final_hidden: torch.Tensor | None = None            # [T', H] before the final norm (drafter distillation)
+
+    def rollback(self, pos: int) -> None:
+        """Forget positions >= pos (rejected draft tokens). Cache rows past pos are simply overwritten
+        when those positions are computed again; attention never looks past a query's own position."""
+        self.pos = pos
+        del self.tokens[pos:]
 
 
 @dataclass
@@ -121,7 +129,10 @@ class Model:
                 rows = {l: r[keep.cpu().numpy()] for l, r in rows.items()}
                 sel = {x: (idx[keep], ok[keep]) for x, (idx, ok) in sel.items()}
             h = self._layer(st, i, h, pos, tok, rows, sel)
+            if i in c.dspark_target_layer_ids:
+                st.target_hidden[i] = h
         st.pos += T
+        st.final_hidden = h
         t0 = time.perf_counter()
         logits = rmsnorm(h, self.w["norm.weight"], c.rms_norm_eps) @ self.w["head.weight"].T
         self.phases.add("attention_dense", t0)
@@ -251,3 +262,29 @@ class Model:
         v = self.L(f"layers.{i}.engram.wv", e)
         gate = torch.sigmoid((rmsnorm(h) * rmsnorm(k)).sum(-1, keepdim=True) / math.sqrt(self.cfg.hidden_size))
         return h + gate * v
+
+    # ------------------------------------------------------------------ DSpark drafter
+    def draft(self, tok: int, hidden: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafter step (stand-in for the unpublished DSpark head): the last token's embedding and
+        the target layers' hidden states (or, after the first step, the drafter's own output repeated)
+        -> eh_proj -> dspark_num_layers blocks (window attention over the token itself, the drafter's
+        own MoE + shared expert) -> mtp.norm -> the shared LM head. -> (logits [V], hidden [H])."""
+        c, w = self.cfg, self.w
+        t0 = time.perf_counter()
+        e = rmsnorm(w["embed.weight"][tok].to(self.dtype), w["mtp.0.enorm.weight"], c.rms_norm_eps)
+        hs = [rmsnorm(h.to(self.dtype), w["mtp.0.hnorm.weight"], c.rms_norm_eps) for h in hidden]
+        x = self.L("mtp.0.eh_proj", torch.cat([e] + hs)[None])                  # [1, H]
+        for k in range(c.dspark_num_layers):
+            p = f"mtp.{k}"
+            a = rmsnorm(x, w[f"{p}.attn_norm.weight"], c.rms_norm_eps)
+            cw = rmsnorm(self.L(f"{p}.attn.wkv", a), w[f"{p}.attn.kv_norm.weight"], c.rms_norm_eps)
+            x = x + self.L(f"{p}.attn.wo", cw.repeat(1, c.num_attention_heads))  # one key: softmax = 1
+            m = rmsnorm(x, w[f"{p}.ffn_norm.weight"], c.rms_norm_eps)
+            scores = torch.sigmoid(m @ w[f"{p}.ffn.gate.weight"].T)
+            ids = torch.topk(scores + w[f"{p}.ffn.gate.bias"], c.num_experts_per_tok, dim=-1).indices
+            wts = scores.gather(1, ids)
+            wts = wts / wts.sum(-1, keepdim=True) * c.routed_scaling_factor
+            x = x + self.experts.drafter_moe(k, m, ids, wts)
+        self.phases.add("dspark_draft", t0)
+        out = rmsnorm(x, w["mtp.norm.weight"], c.rms_norm_eps)
+        return (out @ w["head.weight"].T)[0], x[0]
