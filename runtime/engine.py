@@ -39,6 +39,7 @@ class Result:
     indexer_peak_formula_bytes: int
     logits: list = field(default_factory=list, repr=False)
     dspark: dict = field(default_factory=dict)    # steps, drafted, accepted, mean_accepted, ... (DSpark on)
+    engram: dict = field(default_factory=dict)    # Engram counters over the request: rows, hits, reads, bytes
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -107,6 +108,8 @@ class Engine:
         plan, cfg, model = self.plan, self.cfg, self.model
         check_request(plan, len(prompt), max_tokens)
         self._phases(reset=True)
+        if self.engram is not None:
+            self.engram.counters.clear()
         gen = torch.Generator().manual_seed(seed)
         st = model.new_state(len(prompt) + max_tokens)
         chunk = len(prompt) if self.reference else plan.prefill_chunk
@@ -141,7 +144,7 @@ class Engine:
                       getattr(self.experts, "hit_rate", 0.0),
                       st.indexer_peak_bytes,
                       int(4 * cfg.index_n_heads * min(chunk, len(prompt)) * max((cfg.n_blocks(len(prompt), x) for x in cfg.index_source_layers), default=0)),
-                      logits_kept, spec)
+                      logits_kept, spec, dict(self.engram.counters) if self.engram is not None else {})
 
     def _speculative(self, st, last, max_tokens, temperature, gen, keep):
         """DSpark: draft up to draft_length tokens, verify them in one target pass, keep the accepted
@@ -196,14 +199,13 @@ class Engine:
     def _phases(self, reset: bool) -> dict:
         out = dict(self.model.phases.seconds)
         out.update(getattr(self.experts, "seconds", {}))
-        if self.engram is not None:
-            out.update({f"engram_{k}": v for k, v in self.engram.counters.items()})
+        if self.engram is not None and "wait_s" in self.engram.counters:
+            out["engram_io_wait"] = self.engram.counters["wait_s"]
         if reset:
             self.model.phases.seconds.clear()
             if hasattr(self.experts, "seconds"):
                 self.experts.seconds.clear()
-            if self.engram is not None:
-                self.engram.counters.clear()
+
         return out
 
     @staticmethod

@@ -93,11 +93,11 @@ class Plan:
 
     @classmethod
     def load(cls, path) -> "Plan":
-        """A plan file, or a profile file (its `plan` member)."""
+        """A plan file, or any JSON object with a `plan` member (a profile, `dsv41-tune plan --json`)."""
         from pathlib import Path
         d = json.loads(Path(path).read_text())
-        if isinstance(d, dict) and "plan" in d and "host" in d:
+        if isinstance(d, dict) and "plan" in d and "moe_strategy" not in d:
             d = d["plan"]
             if d is None:
-                raise PlanError(f"{path}: the profile holds no plan")
+                raise PlanError(f"{path}: the file holds no plan")
         return cls.from_dict(d, source=str(path))

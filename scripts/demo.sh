@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The main job end to end on the embedded default (the tiny preset): make a checkpoint and inspect
-# its footprint, then the full-size V4.1 layout as a header-only skeleton.
+# The main job end to end on the embedded default (the tiny preset): make a checkpoint and inspect its
+# footprint; the full-size V4.1 layout as a header-only skeleton, planned for the published 5090-epyc
+# host; then this host: profile (quick), plan with the cost model, and run the plan on the runtime.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -20,3 +21,8 @@ for k in ("expert_bytes", "routed_expert_bytes_total", "engram_bytes_total", "ro
 PY
 # where should each byte of the full V4.1 live on a published host, and how fast will it be?
 dsv41-tune plan --profile profiles/5090-epyc.json --checkpoint "$OUT/v41-skeleton" --prompt-tokens 8192
+# this host, on the tiny checkpoint: profile -> plan -> run
+dsv41-tune profile --checkpoint "$OUT/tiny" --quick --out "$OUT/host-profile.json"
+dsv41-tune plan --profile "$OUT/host-profile.json" --checkpoint "$OUT/tiny" --prompt-tokens 256 --max-tokens 32 \
+  --trials 500 --storage "sqlite:///$OUT/studies.db" --json > "$OUT/plan.json"
+dsv41-run --checkpoint "$OUT/tiny" --plan "$OUT/plan.json" --prompt-tokens 256 --max-tokens 32
