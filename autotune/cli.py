@@ -1,4 +1,6 @@
-"""`dsv41-tune`: profile a host and plan for it.
+"""`dsv41-tune`: profile a host, plan for it, and tune end to end.
+
+  dsv41-tune --checkpoint DIR [--prompt-tokens P --ttft-budget S] [--allow-inexact-prefill] [--out FILE] [--quick]
 
   dsv41-tune profile --checkpoint DIR [--out FILE] [--quick]
 
@@ -170,8 +172,49 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def cmd_tune(args) -> int:
+    import platform
+
+    from rich.table import Table
+
+    from autotune.tune import table, tune
+    out = args.out or f"profiles/local/{platform.node() or 'host'}.json"
+    wl = Workload(prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, ttft_budget_s=args.ttft_budget)
+    err = console(stderr=True)
+    prof = tune(args.checkpoint, out, wl, args.allow_inexact_prefill, args.quick, args.storage, log=err.print)
+    rows = table(prof)
+    t = Table(title=f"validated plans (noise floor {100 * prof['validation']['noise_floor']:.1f}%): * = picked")
+    for col in rows[0]:
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(*(f"{v:.3g}" if isinstance(v, float) else str(v) for v in r.values()))
+    c = console()
+    c.print(t)
+    cal = prof["calibration"]
+    c.print(f"calibration (measured / predicted): decode x{cal['decode_scale']:.2f}, TTFT x{cal['ttft_scale']:.2f}; wrote {out}")
+    return 0
+
+
+def build_tune_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dsv41-tune", description="profile this host, search plans, validate the best on "
+                                "the runtime, write the profile (subcommands: plan, profile)")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--prompt-tokens", type=int, default=WL["prompt_tokens"])
+    p.add_argument("--max-tokens", type=int, default=WL["max_tokens"])
+    p.add_argument("--ttft-budget", type=float, default=WL["ttft_budget_s"])
+    p.add_argument("--allow-inexact-prefill", action="store_true")
+    p.add_argument("--out", help="profile file (default: profiles/local/<host>.json)")
+    p.add_argument("--storage", default=None, help="Optuna storage URL (default: a journal under $DSV41_CACHE)")
+    p.add_argument("--quick", action="store_true", help="short probes, few validation runs")
+    p.set_defaults(fn=cmd_tune)
+    return p
+
+
 def main(argv=None) -> int:
-    return run_main(build_parser(), argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("plan", "profile"):
+        return run_main(build_parser(), argv)
+    return run_main(build_tune_parser(), argv)
 
 
 if __name__ == "__main__":

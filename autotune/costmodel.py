@@ -23,6 +23,8 @@ Terms (units: bytes, seconds, GB/s = 1e9 B/s; every one documented where compute
                   (SGLang's measured ~6 B x chunk x context for V4.1, quoted in ARCHITECTURE.md)
   host RAM        resident routed experts + drafter + Engram (host: all; nvme_*: scales if kept + row
                   cache) + OS headroom (8 GiB, assumed); page cache = what is left (nvme_mmap uses it)
+  calibration     a profile validated on its host carries decode_scale and ttft_scale (measured /
+                  predicted over the validated plans); predictions are multiplied by them
 """
 from __future__ import annotations
 
@@ -214,4 +216,8 @@ def predict(plan: Plan, profile: dict, fp: Footprint, wl: Workload, allow_inexac
     terms.update(prefill_moe_s=t_prefill, prefill_dense_s=t_dense_prefill, prefill_engram_io_s=t_engram_prefill)
     if wl.ttft_budget_s is not None and ttft > wl.ttft_budget_s:
         notes.append(f"TTFT {ttft:.1f} s is over the budget {wl.ttft_budget_s} s")
+    cal = profile.get("calibration")
+    if cal:                               # per-host scales from validation (measured / predicted)
+        tok_s, ttft = tok_s * cal["decode_scale"], ttft * cal["ttft_scale"]
+        terms.update(calibrated_decode_scale=cal["decode_scale"], calibrated_ttft_scale=cal["ttft_scale"])
     return Prediction(tok_s, ttft, not why, why, memory, terms, notes)

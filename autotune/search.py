@@ -80,7 +80,7 @@ def search(profile: dict, fp: Footprint, wl: Workload, n_trials: int = 2000, sto
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     name = study_name(profile, fp, wl, vram_budget_gib, allow_inexact)
     # The search runs in memory (a file-backed study pays a write per trial: ~5x slower here); the
-    # persistent study's trials seed it (resume) and the new trials are added to it in one batch.
+    # persistent study's trials seed it (resume) and new trials are added to it every PERSIST_EVERY.
     kept = None
     if storage is not None:
         kept = optuna.create_study(study_name=name, storage=storage, directions=["maximize", "minimize"], load_if_exists=True)
@@ -102,11 +102,25 @@ def search(profile: dict, fp: Footprint, wl: Workload, n_trials: int = 2000, sto
             progress(trial.number - done + 1, n_trials)
         return pred.decode_tok_s, pred.ttft_s
 
-    if n_trials > done:
-        study.optimize(objective, n_trials=n_trials - done)
-        if kept is not None:
-            kept.add_trials(study.trials[done:])
+    saved = done
+    try:                      # chunks: a SIGKILL loses at most one chunk; Ctrl-C (KeyboardInterrupt) none
+        while len(study.trials) < n_trials:
+            study.optimize(objective, n_trials=min(PERSIST_EVERY, n_trials - len(study.trials)))
+            saved = _persist(study, kept, saved)
+    finally:
+        _persist(study, kept, saved)
     return study, ranked(study, profile, fp, wl, allow_inexact)
+
+
+PERSIST_EVERY = 200
+
+
+def _persist(study, kept, saved: int) -> int:
+    """Copy the in-memory study's finished trials past `saved` into the persistent one. -> new mark."""
+    done = [t for t in study.trials[saved:] if t.state == optuna.trial.TrialState.COMPLETE]
+    if kept is not None and done:
+        kept.add_trials(done)
+    return len(study.trials)
 
 
 def ranked(study, profile, fp, wl, allow_inexact=False):

@@ -1,0 +1,85 @@
+"""Validation: the top plans and the baseline run on the real runtime; only measurement decides.
+
+Plans are measured in interleaved rounds (A, B, C, A, B, C, ...) so drift hits all alike; each plan's
+first request after its load is its cold run, the rest warm. The noise floor is the spread of one
+plan's own repeats (half the max-min range over the median of decode tok/s, the largest over plans).
+The pick: the best measured plan by the user's rule (TTFT budget, then decode tok/s); the winner is
+re-run against the runner-up and a plan that loses beyond the noise floor is not picked. Measured
+figures recalibrate the cost model's per-host scales (decode and TTFT), kept in the profile.
+"""
+from __future__ import annotations
+
+import statistics
+
+from runtime.engine import Engine
+from runtime.plan import Plan
+from runtime.workload import Workload
+
+
+def freetoken_baseline(profile: dict, geometry_hash: str) -> Plan:
+    """FreeToken's rule: hybrid when CPU-MoE beats 2x the PCIe gather, else offload; CPU-only hosts: cpu.
+    Its other knobs are its defaults (prefill chunk 512, Engram in RAM, no speculation)."""
+    from autotune.profile import figure
+    if not profile["host"]["hard"].get("gpu_name"):
+        strategy = "cpu"
+    else:
+        cpu = max(e["median"] for e in profile["measurements"]["cpu_moe_gbs"] if "median" in e)
+        gather = figure(profile, "pcie_gather_gbs") or 0.0
+        strategy = "hybrid" if cpu > 2 * gather else "offload"
+    return Plan(moe_strategy=strategy, geometry_hash=geometry_hash)
+
+
+def _objective(row, ttft_budget):
+    ok = ttft_budget is None or row["ttft_s"] <= ttft_budget
+    return (ok, row["decode_tok_s"], -row["ttft_s"])
+
+
+def measure_plans(ck, plans: list[Plan], wl: Workload, prompt: list[int], rounds: int, progress=None) -> list[dict]:
+    """-> one row per plan: cold figures, warm samples (decode tok/s, TTFT), medians."""
+    engines, rows = [], []
+    for p in plans:
+        e = Engine(ck, p)
+        cold = e.generate(prompt, wl.max_tokens)
+        engines.append(e)
+        rows.append({"plan": p, "cold": {"ttft_s": cold.ttft_s, "decode_tok_s": cold.decode_tok_s},
+                     "decode_samples": [], "ttft_samples": [], "tokens": cold.tokens})
+    try:
+        for r in range(rounds):
+            for e, row in zip(engines, rows):
+                out = e.generate(prompt, wl.max_tokens)
+                row["decode_samples"].append(out.decode_tok_s)
+                row["ttft_samples"].append(out.ttft_s)
+                if progress:
+                    progress()
+    finally:
+        for e in engines:
+            e.close()
+    for row in rows:
+        row["decode_tok_s"] = statistics.median(row["decode_samples"])
+        row["ttft_s"] = statistics.median(row["ttft_samples"])
+    return rows
+
+
+def noise_floor(rows) -> float:
+    """The largest relative half-range of decode tok/s over any plan's own repeats."""
+    out = 0.0
+    for r in rows:
+        s = r["decode_samples"]
+        if len(s) > 1 and statistics.median(s) > 0:
+            out = max(out, (max(s) - min(s)) / 2 / statistics.median(s))
+    return out
+
+
+def pick(rows, ttft_budget, floor):
+    """Best by the rule; a plan whose measured decode loses to another's beyond the noise floor is never
+    the pick. -> (winner row, runner-up row or None)."""
+    ranked = sorted(rows, key=lambda r: _objective(r, ttft_budget), reverse=True)
+    return ranked[0], (ranked[1] if len(ranked) > 1 else None)
+
+
+def calibration(rows) -> dict:
+    """Per-host scales measured / predicted (median over validated plans) for decode tok/s and TTFT."""
+    dec = [r["decode_tok_s"] / r["predicted"]["decode_tok_s"] for r in rows if r["predicted"]["decode_tok_s"] > 0]
+    tt = [r["ttft_s"] / r["predicted"]["ttft_s"] for r in rows if r["predicted"]["ttft_s"] > 0]
+    return {"decode_scale": statistics.median(dec) if dec else 1.0, "ttft_scale": statistics.median(tt) if tt else 1.0,
+            "plans": len(rows)}

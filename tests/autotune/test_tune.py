@@ -1,0 +1,110 @@
+"""dsv41-tune end to end (quick, on tiny) and the pieces that decide: resume, baseline, pick, recalibration."""
+import copy
+import json
+import shutil
+
+import pytest
+
+from autotune.cli import main as tune_main
+from autotune.costmodel import predict
+from autotune.profile import load_profile
+from autotune.search import search
+from autotune.tune import _fresh
+from autotune.validate import calibration, pick
+from runtime.checkpoint.footprint import Footprint
+from runtime.checkpoint.reader import Checkpoint
+from runtime.config import ModelConfig
+from runtime.plan import Plan
+from runtime.workload import Workload
+
+
+@pytest.fixture(scope="module")
+def tuned(tiny_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("tune")
+    out = d / "host.json"
+    assert tune_main(["--checkpoint", str(tiny_dir), "--quick", "--out", str(out), "--prompt-tokens", "96",
+                      "--max-tokens", "12", "--storage", f"sqlite:///{d / 'studies.db'}"]) == 0
+    return out
+
+
+def test_end_to_end_writes_a_valid_profile_with_evidence(tuned):
+    p = load_profile(tuned)
+    assert Plan.from_dict(p["plan"]).geometry_hash == Checkpoint(p["checkpoint"]).config.geometry_hash()
+    assert p["predicted"]["feasible"] and p["predicted"]["decode_tok_s"] > 0
+    v = p["validation"]
+    assert v["study"].startswith("dsv41-") and 0 <= v["noise_floor"] < 1
+    assert sum(r["baseline"] for r in v["rows"]) == 1                      # the baseline is always validated
+    for r in v["rows"]:
+        m = r["measured"]
+        assert len(m["decode_samples"]) >= 2 and m["cold"]["ttft_s"] > 0 and r["predicted"]["decode_tok_s"] > 0
+    best = max(r["measured"]["decode_tok_s"] for r in v["rows"])
+    assert v["rows"][v["picked"]]["measured"]["decode_tok_s"] >= best * (1 - v["noise_floor"]) - 1e-9
+    assert p["calibration"]["decode_scale"] > 0
+
+
+def test_a_fresh_profile_is_reused_and_a_stale_one_is_not(tuned, tiny_dir, tmp_path):
+    ck = Checkpoint(tiny_dir)
+    prof, why = _fresh(tuned, ck)
+    assert prof is not None and why == "fresh"
+    other = tmp_path / "other.json"
+    d = json.loads(tuned.read_text())
+    d["host"]["hard"]["ram_gib"] += 100
+    other.write_text(json.dumps(d))
+    assert _fresh(other, ck)[0] is None and "other hardware" in _fresh(other, ck)[1]
+    d = json.loads(tuned.read_text())
+    d["measured_at"] = "2020-01-01T00:00:00"
+    other.write_text(json.dumps(d))
+    assert "days old" in _fresh(other, ck)[1]
+
+
+def test_a_killed_search_resumes_without_losing_trials(tmp_path):
+    epyc = load_profile("profiles/5090-epyc.json")
+    fp = Footprint.from_config(ModelConfig.preset("deepseek-v4-flash"))
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    seen = []
+
+    def killer(i, n):
+        seen.append(i)
+        if i == 25:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        search(epyc, fp, Workload(1024, 64), n_trials=60, storage=url, progress=killer)
+    import optuna
+    kept = optuna.load_study(study_name=_name(epyc, fp), storage=url).trials
+    assert len(kept) == 24                     # every trial finished before the kill is kept
+    study, res = search(epyc, fp, Workload(1024, 64), n_trials=60, storage=url)
+    assert len(study.trials) == 60 and res
+    again, _ = search(epyc, fp, Workload(1024, 64), n_trials=80, storage=url)
+    assert len(again.trials) == 80             # the 60 kept, 20 added
+
+
+def _name(profile, fp):
+    from autotune.search import study_name
+    return study_name(profile, fp, Workload(1024, 64), None, False)
+
+
+def test_a_plan_that_measures_worse_is_never_picked():
+    def row(tok, ttft, samples):
+        return {"decode_tok_s": tok, "ttft_s": ttft, "decode_samples": samples}
+    good, bad = row(10.0, 1.0, [9.9, 10.0, 10.1]), row(8.0, 0.5, [7.9, 8.0, 8.1])
+    assert pick([bad, good], None, 0.02)[0] is good
+    assert pick([good, bad], 0.8, 0.02)[0] is bad                         # only bad meets the TTFT budget
+
+
+def test_recalibration_moves_predictions_toward_measurements():
+    epyc = load_profile("profiles/5090-epyc.json")
+    fp = Footprint.from_config(ModelConfig.preset("deepseek-v4-flash"))
+    wl = Workload(1024, 64)
+    plans = [Plan(max_context=8192), Plan(max_context=8192, prefill_chunk=2048)]
+    rows = []
+    for p in plans:                                                       # a synthetic host 1.7x slower than modelled
+        pr = predict(p, epyc, fp, wl).to_dict()
+        rows.append({"plan": p, "predicted": pr, "decode_tok_s": pr["decode_tok_s"] / 1.7, "ttft_s": pr["ttft_s"] * 1.7})
+    cal = calibration(rows)
+    tuned = copy.deepcopy(epyc)
+    tuned["calibration"] = cal
+    for r in rows:
+        before = predict(r["plan"], epyc, fp, wl)
+        after = predict(r["plan"], tuned, fp, wl)
+        assert abs(after.decode_tok_s - r["decode_tok_s"]) < abs(before.decode_tok_s - r["decode_tok_s"]) * 0.1
+        assert abs(after.ttft_s - r["ttft_s"]) < abs(before.ttft_s - r["ttft_s"]) * 0.1
