@@ -101,7 +101,7 @@ def tune(checkpoint, out, wl: Workload, allow_inexact=False, quick=False, storag
         "workload": {"prompt_tokens": wl.prompt_tokens, "max_tokens": wl.max_tokens, "ttft_budget_s": wl.ttft_budget_s},
         "noise_floor": floor, "study": study.study_name, "storage": str(storage if isinstance(storage, str) else "journal:$DSV41_CACHE"),
         "rows": [{"plan": r["plan"].to_dict(), "baseline": r["baseline"], "predicted": {k: r["predicted"][k] for k in ("decode_tok_s", "ttft_s", "feasible")},
-                  "measured": {"decode_tok_s": r["decode_tok_s"], "ttft_s": r["ttft_s"], "cold": r["cold"],
+                  "measured": {"decode_tok_s": r["decode_tok_s"], "ttft_s": r["ttft_s"], "cold": r["cold"], "interleaved": r["interleaved"],
                                "decode_samples": r["decode_samples"], "ttft_samples": r["ttft_samples"]}} for r in rows],
         "picked": rows.index(win),
     }

@@ -1,7 +1,8 @@
 """Validation: the top plans and the baseline run on the real runtime; only measurement decides.
 
-Plans are measured in interleaved rounds (A, B, C, A, B, C, ...) so drift hits all alike; each plan's
-first request after its load is its cold run, the rest warm. The noise floor is the spread of one
+Plans are measured in interleaved rounds (A, B, C, A, B, C, ...) so drift hits all alike, when their
+engines fit in RAM together (else one after the other, recorded as such); each plan's first request
+after its load is its cold run, the rest warm. The noise floor is the spread of one
 plan's own repeats (half the max-min range over the median of decode tok/s, the largest over plans).
 The pick: the best measured plan by the user's rule (TTFT budget, then decode tok/s); the winner is
 re-run against the runner-up and a plan that loses beyond the noise floor is not picked. Measured
@@ -34,23 +35,49 @@ def _objective(row, ttft_budget):
     return (ok, row["decode_tok_s"], -row["ttft_s"])
 
 
+def fit_together(ck, plans) -> bool:
+    """Can every plan's engine stay loaded at once (their host bytes within 60% of available RAM)?"""
+    import psutil
+
+    from runtime.budget import host_bytes
+    fp = ck.footprint()
+    need = sum(host_bytes(p, fp) + fp.dense_bytes_per_token * 4 for p in plans)
+    return need < 0.6 * psutil.virtual_memory().available
+
+
 def measure_plans(ck, plans: list[Plan], wl: Workload, prompt: list[int], rounds: int, progress=None) -> list[dict]:
-    """-> one row per plan: cold figures, warm samples (decode tok/s, TTFT), medians."""
+    """-> one row per plan: cold figures, warm samples (decode tok/s, TTFT), medians, and whether the
+    rounds were interleaved (all engines loaded at once) or sequential (they do not fit together)."""
+    interleave = fit_together(ck, plans)
     engines, rows = [], []
-    for p in plans:
+
+    def load(p):
         e = Engine(ck, p)
         cold = e.generate(prompt, wl.max_tokens)
-        engines.append(e)
         rows.append({"plan": p, "cold": {"ttft_s": cold.ttft_s, "decode_tok_s": cold.decode_tok_s},
-                     "decode_samples": [], "ttft_samples": [], "tokens": cold.tokens})
+                     "decode_samples": [], "ttft_samples": [], "tokens": cold.tokens, "interleaved": interleave})
+        return e
+
+    def run(e, row):
+        out = e.generate(prompt, wl.max_tokens)
+        row["decode_samples"].append(out.decode_tok_s)
+        row["ttft_samples"].append(out.ttft_s)
+        if progress:
+            progress()
     try:
-        for r in range(rounds):
-            for e, row in zip(engines, rows):
-                out = e.generate(prompt, wl.max_tokens)
-                row["decode_samples"].append(out.decode_tok_s)
-                row["ttft_samples"].append(out.ttft_s)
-                if progress:
-                    progress()
+        if interleave:
+            engines = [load(p) for p in plans]
+            for _ in range(rounds):
+                for e, row in zip(engines, rows):
+                    run(e, row)
+        else:
+            for p in plans:
+                e = load(p)
+                try:
+                    for _ in range(rounds):
+                        run(e, rows[-1])
+                finally:
+                    e.close()
     finally:
         for e in engines:
             e.close()
