@@ -36,13 +36,17 @@ def _objective(row, ttft_budget):
 
 
 def fit_together(ck, plans) -> bool:
-    """Can every plan's engine stay loaded at once (their host bytes within 60% of available RAM)?"""
+    """Can every plan's engine stay loaded at once? Each needs its host banks, its dense weights in fp32
+    (4 B per stored byte, drafter included) and, with an NVMe tier, transient buffers for one layer's
+    experts read twice over; all within half of the available RAM."""
     import psutil
 
     from runtime.budget import host_bytes
     fp = ck.footprint()
-    need = sum(host_bytes(p, fp) + fp.dense_bytes_per_token * 4 for p in plans)
-    return need < 0.6 * psutil.virtual_memory().available
+    dense = 4 * (fp.dense_bytes_per_token + fp.bytes_by_class["embeddings"] + fp.bytes_by_class["drafter"])
+    layer = fp.routed_expert_bytes_total // max(fp.num_layers, 1)
+    need = sum(host_bytes(p, fp) + dense + (2 * layer if p.host_expert_budget_gib is not None else 0) for p in plans)
+    return need < 0.5 * psutil.virtual_memory().available
 
 
 def measure_plans(ck, plans: list[Plan], wl: Workload, prompt: list[int], rounds: int, progress=None) -> list[dict]:
