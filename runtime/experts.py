@@ -236,6 +236,22 @@ class PlacedExperts:
         mask = sub >= 0
         return bank, np.where(mask, sub, 0), np.where(mask, wts, 0.0).astype(np.float32)
 
+    def _groups(self, layer, experts):
+        """(bank, experts, rows): the host bank's experts in place, then the NVMe tier's (only those read)."""
+        r = self.resident[layer]
+        for group in ([e for e in experts if e < r], [e for e in experts if e >= r]):
+            if group:
+                bank, rows = self._fetch(layer, group)
+                yield bank, group, rows
+
+    def _cpu_part(self, layer, x, ids, wts, experts):
+        """The CPU's share of a layer (runs in the worker thread, overlapping the device's share)."""
+        y = np.zeros_like(x)
+        for bank, group, rows in self._groups(layer, experts):
+            job = self._subset(x, ids, wts, group, rows, bank)
+            y += self._run(job[0], x, job[1], job[2], "cpu_moe")
+        return y
+
     def routed(self, layer, m, ids, wts):
         t_layer = time.perf_counter()
         self.layer_calls += 1
@@ -257,23 +273,21 @@ class PlacedExperts:
         y = np.zeros_like(x)
         fut = None
         if to_cpu:
-            bank, rows = self._fetch(layer, to_cpu)
-            job = self._subset(x, ids_np, w_np, to_cpu, rows, bank)
-            fut = self.pool.submit(self._run, job[0], x, job[1], job[2], "cpu_moe")
+            fut = self.pool.submit(self._cpu_part, layer, x, ids_np, w_np, to_cpu)
         dev_keys = hits + to_dev
         if dev_keys:
             t0 = time.perf_counter()
             if to_dev and self.cache.n:
-                bank, rows = self._fetch(layer, to_dev)
-                for e, r in zip(to_dev, rows):
-                    self.cache.put((layer, e), bank, r)
+                for bank, group, rows in self._groups(layer, to_dev):
+                    for e, r in zip(group, rows):
+                        self.cache.put((layer, e), bank, r)
             slots = [self.cache.lookup((layer, e)) for e in dev_keys] if self.cache.n else None
             self.seconds["gather"] += time.perf_counter() - t0
             t0 = time.perf_counter()
-            if slots is None:                      # offload with no cache: a transient staging bank
-                bank, rows = self._fetch(layer, dev_keys)
-                job = self._subset(x, ids_np, w_np, dev_keys, rows, bank)
-                y += expert_ffn(x, job[1], job[2], job[0], threads=self.threads)
+            if slots is None:                      # offload with no cache: transient staging banks
+                for bank, group, rows in self._groups(layer, dev_keys):
+                    job = self._subset(x, ids_np, w_np, group, rows, bank)
+                    y += expert_ffn(x, job[1], job[2], job[0], threads=self.threads)
             else:
                 _, sub_ids, sub_w = self._subset(x, ids_np, w_np, dev_keys, slots, None)
                 y += self.cache.mem.compute(x, sub_ids, sub_w)

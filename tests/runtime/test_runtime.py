@@ -225,3 +225,12 @@ def test_engram_table_of_the_wrong_size_refused(tiny_dir, tmp_path):
     from runtime.checkpoint.safetensors_io import CheckpointError
     with pytest.raises((CheckpointError, ValueError), match=r"engram.embed.weight.*\[(\d+), 32\].*\[\d+, 32\]"):
         Engine(d, Plan(engram_placement="nvme_direct"))
+
+
+def test_expert_span_is_one_request_of_exactly_the_expert(ck):
+    from runtime.model.weights import expert_span
+    path, off, length = expert_span(ck, "layers.2.ffn.experts.5")
+    assert length == ck.config.expert_bytes and path.endswith(".safetensors")
+    raw = open(path, "rb").read()[off:off + length]
+    first = ck.infos["layers.2.ffn.experts.5.w1.weight"]
+    assert raw[:64] == bytes(ck.raw(first.name)[:64])
