@@ -71,7 +71,7 @@ def _iops(profile, depth: int) -> float | None:
     return float(max(best, key=lambda p: p["qd"])["iops"])
 
 
-def _contended(profile, geometry):
+def _contended(profile):
     """(cpu_gbs, gather_gbs) when both run at once, from the contended pair if measured."""
     for pair in profile["measurements"].get("contended", []):
         if pair.get("pair") == "cpu_moe+pcie_gather":
@@ -151,7 +151,7 @@ def predict(plan: Plan, profile: dict, fp: Footprint, wl: Workload, allow_inexac
         elif plan.moe_strategy == "offload":
             t = miss / ((gather or 1e-9) * 1e9)
         else:
-            c = _contended(profile, fp.geometry) or (cpu_gbs, gather or 1e-9)
+            c = _contended(profile) or (cpu_gbs, gather or 1e-9)
             f = plan.fetch_fraction
             t = max(f * miss / (c[1] * 1e9), (1 - f) * miss / (c[0] * 1e9))
         return t + from_nvme + hits + L * disp

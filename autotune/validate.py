@@ -102,10 +102,16 @@ def noise_floor(rows) -> float:
 
 
 def pick(rows, ttft_budget, floor):
-    """Best by the rule; a plan whose measured decode loses to another's beyond the noise floor is never
-    the pick. -> (winner row, runner-up row or None)."""
+    """By the rule (TTFT budget first, then decode tok/s). Plans whose measured decode is within the
+    noise floor of the best are a tie, settled by the lower TTFT; a plan that loses beyond the floor
+    is never the pick. -> (winner row, runner-up row or None)."""
     ranked = sorted(rows, key=lambda r: _objective(r, ttft_budget), reverse=True)
-    return ranked[0], (ranked[1] if len(ranked) > 1 else None)
+    lead = ranked[0]
+    ties = [r for r in ranked if _objective(r, ttft_budget)[0] == _objective(lead, ttft_budget)[0]
+            and r["decode_tok_s"] >= lead["decode_tok_s"] * (1 - floor)]
+    win = min(ties, key=lambda r: r["ttft_s"])
+    rest = [r for r in ranked if r is not win]
+    return win, (rest[0] if rest else None)
 
 
 def calibration(rows) -> dict:

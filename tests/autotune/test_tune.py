@@ -89,6 +89,9 @@ def test_a_plan_that_measures_worse_is_never_picked():
     good, bad = row(10.0, 1.0, [9.9, 10.0, 10.1]), row(8.0, 0.5, [7.9, 8.0, 8.1])
     assert pick([bad, good], None, 0.02)[0] is good
     assert pick([good, bad], 0.8, 0.02)[0] is bad                         # only bad meets the TTFT budget
+    close = row(9.9, 0.6, [9.8, 9.9, 10.0])                              # within the 2% floor of good: a tie
+    assert pick([good, close, bad], None, 0.02)[0] is close               # settled by the lower TTFT
+    assert pick([good, close, bad], None, 0.0)[0] is good                 # no floor: the measured best
 
 
 def test_recalibration_moves_predictions_toward_measurements():
