@@ -104,65 +104,86 @@ class Engine:
         self.load_s = time.perf_counter() - t0
 
     def generate(self, prompt: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0,
-                 keep_logits: bool = False) -> Result:
+                 keep_logits: bool = False, stop_ids=()) -> Result:
+        """The whole request at once: `stream` run to its end."""
+        it = self.stream(prompt, max_tokens, temperature, seed, keep_logits, stop_ids)
+        while True:
+            try:
+                next(it)
+            except StopIteration as done:
+                return done.value
+
+    def stream(self, prompt: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0,
+               keep_logits: bool = False, stop_ids=()):
+        """Yield each token id as it is decided; return the Result (StopIteration.value). Generation ends
+        after max_tokens or on a token in stop_ids (kept). Closing the generator frees the request."""
         plan, cfg, model = self.plan, self.cfg, self.model
+        if max_tokens < 1 or not prompt:
+            raise ValueError(f"a request needs a prompt and max_tokens >= 1 (got {len(prompt)} prompt tokens, max_tokens {max_tokens})")
         check_request(plan, len(prompt), max_tokens)
         self._phases(reset=True)
         if self.engram is not None:
             self.engram.counters.clear()
         gen = torch.Generator().manual_seed(seed)
+        stop_ids = frozenset(stop_ids)
         st = model.new_state(len(prompt) + max_tokens)
         chunk = len(prompt) if self.reference else plan.prefill_chunk
         replay = plan.prefill_mode == "bounded_replay" and not self.reference and cfg.num_encoder_layers
         dec_start = max(0, len(prompt) - cfg.window_size) if replay else 0
-        out, logits_kept = [], []
+        out, logits_kept, spec = [], [], {}
+        keep = logits_kept if keep_logits else None
         t0 = time.perf_counter()
         with torch.inference_mode():
             for c in range(0, len(prompt), chunk):
                 logits = model.forward(st, prompt[c:c + chunk], decoder_start=dec_start)
-            last = logits[-1]
             prefill_phases = self._phases(reset=True)
-            t_first = time.perf_counter()
-            if plan.dspark and not self.reference and cfg.dspark_num_layers:
-                out, spec = self._speculative(st, last, max_tokens, temperature, gen, logits_kept if keep_logits else None)
-                t_first = spec.pop("t_first")
-            else:
-                spec = {}
-                for step in range(max_tokens):
-                    if keep_logits:
-                        logits_kept.append(last.detach().clone())
-                    tok = self._sample(last, temperature, gen)
-                    out.append(tok)
-                    if step == 0:
-                        t_first = time.perf_counter()
-                    if step + 1 < max_tokens:
-                        last = model.forward(st, [tok])[-1]
+            steps = (self._speculative(st, logits[-1], max_tokens, temperature, gen, keep, spec)
+                     if plan.dspark and not self.reference and cfg.dspark_num_layers else
+                     self._plain(st, logits[-1], max_tokens, temperature, gen, keep))
+            for tok in steps:
+                if not out:
+                    t_first = time.perf_counter()
+                out.append(tok)
+                yield tok
+                if tok in stop_ids:
+                    break
+            steps.close()
         t_end = time.perf_counter()
-        decode_s = t_end - t_first
-        return Result(out, t_first - t0, (max_tokens - 1) / decode_s if max_tokens > 1 and decode_s > 0 else 0.0,
+        decode_s, n = t_end - t_first, len(out)
+        return Result(out, t_first - t0, (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
                       len(prompt) / (t_first - t0), self._phases(reset=True), prefill_phases,
                       getattr(self.experts, "hit_rate", 0.0),
                       st.indexer_peak_bytes,
                       int(4 * cfg.index_n_heads * min(chunk, len(prompt)) * max((cfg.n_blocks(len(prompt), x) for x in cfg.index_source_layers), default=0)),
-                      logits_kept, spec, dict(self.engram.counters) if self.engram is not None else {})
+                      logits_kept[:n], spec, dict(self.engram.counters) if self.engram is not None else {})
 
-    def _speculative(self, st, last, max_tokens, temperature, gen, keep):
+    def _plain(self, st, last, max_tokens, temperature, gen, keep):
+        """One target pass per token."""
+        for step in range(max_tokens):
+            if keep is not None:
+                keep.append(last.detach().clone())
+            tok = self._sample(last, temperature, gen)
+            yield tok
+            if step + 1 < max_tokens:
+                last = self.model.forward(st, [tok])[-1]
+
+    def _speculative(self, st, last, max_tokens, temperature, gen, keep, stats):
         """DSpark: draft up to draft_length tokens, verify them in one target pass, keep the accepted
         prefix. Greedy: a draft is kept iff it is the target's argmax (lossless). Temperature > 0:
         standard speculative sampling (accept with min(1, p/q), else resample from max(0, p - q)), so
-        the output distribution is the target's."""
+        the output distribution is the target's. Fills `stats` as it goes."""
         model, cfg, d_max = self.model, self.cfg, self.plan.draft_length
         targets = cfg.dspark_target_layer_ids
         x1 = self._sample(last, temperature, gen)
-        t_first = time.perf_counter()
         if keep is not None:
             keep.append(last.detach().clone())
-        out = [x1]
+        stats.update(steps=0, drafted=0, accepted=0, verify_s=0.0, draft_s=0.0, mean_accepted=0.0, acceptance_rate=0.0)
+        yield x1
+        n = 1
         hid = [st.target_hidden[layer][-1] for layer in targets]
         self.state = st                                          # the live sequence (drafters may look)
-        stats = {"steps": 0, "drafted": 0, "accepted": 0, "verify_s": 0.0, "draft_s": 0.0}
-        while len(out) < max_tokens:
-            d = min(d_max, max_tokens - len(out))
+        while n < max_tokens:
+            d = min(d_max, max_tokens - n)
             t0 = time.perf_counter()
             drafts, qs, tok, h = [], [], x1, hid
             for _ in range(d):
@@ -179,7 +200,6 @@ class Engine:
             a, z = verify_drafts(V, drafts, qs, temperature, gen)
             if keep is not None:
                 keep.extend(V[j].detach().clone() for j in range(a + 1))
-            out += drafts[:a] + [z]
             st.rollback(base + 1 + a)
             hid = [st.target_hidden[layer][a] for layer in targets]
             x1 = z
@@ -188,13 +208,11 @@ class Engine:
             stats["accepted"] += a
             stats["draft_s"] += t1 - t0
             stats["verify_s"] += t2 - t1
-        out = out[:max_tokens]
-        if keep is not None:
-            del keep[max_tokens:]
-        stats["mean_accepted"] = stats["accepted"] / max(stats["steps"], 1)
-        stats["acceptance_rate"] = stats["accepted"] / max(stats["drafted"], 1)
-        stats["t_first"] = t_first
-        return out, stats
+            stats["mean_accepted"] = stats["accepted"] / stats["steps"]
+            stats["acceptance_rate"] = stats["accepted"] / max(stats["drafted"], 1)
+            for tok in (drafts[:a] + [z])[:max_tokens - n]:
+                n += 1
+                yield tok
 
     def _phases(self, reset: bool) -> dict:
         out = dict(self.model.phases.seconds)

@@ -234,3 +234,20 @@ def test_expert_span_is_one_request_of_exactly_the_expert(ck):
     raw = open(path, "rb").read()[off:off + length]
     first = ck.infos["layers.2.ffn.experts.5.w1.weight"]
     assert raw[:64] == bytes(ck.raw(first.name)[:64])
+
+
+@pytest.mark.parametrize("dspark", [False, True])
+def test_stream_yields_the_generated_tokens_and_stops_early(ck, case, dspark):
+    prompt, _ = case
+    e = Engine(ck, Plan(dspark=dspark, draft_length=3))
+    full = e.generate(prompt, 16)
+    streamed = list(e.stream(prompt, 16))
+    assert streamed == full.tokens
+    stop = full.tokens[5]                                # stops at its first occurrence, kept
+    cut = full.tokens.index(stop) + 1
+    short = e.generate(prompt, 16, stop_ids=[stop])
+    assert short.tokens == full.tokens[:cut]
+    it = e.stream(prompt, 16)                            # a client that goes away: close mid-stream
+    assert [next(it) for _ in range(3)] == full.tokens[:3]
+    it.close()
+    assert e.generate(prompt, 16).tokens == full.tokens  # the engine is still whole
