@@ -1,0 +1,140 @@
+"""The OpenAI-compatible API against a real server process, with the official `openai` client."""
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from tokenizers import Tokenizer
+
+from runtime.checkpoint.reader import Checkpoint
+from runtime.engine import Engine
+from runtime.plan import Plan
+from runtime.workload import make_prompt
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _health(url):
+    return httpx.get(url + "/health", timeout=5).json()
+
+
+def _metric(url, name):
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_completions_stream_and_non_stream_match_the_engine(server, client, tiny_dir):
+    tok = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+    prompt = make_prompt(tok, 48, seed=3)
+    expect = Engine(Checkpoint(tiny_dir), Plan(max_context=512)).generate(prompt, 12, stop_ids=(tok.token_to_id("<eos>"),))
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+    assert r.choices[0].text == tok.decode(expect.tokens, skip_special_tokens=True)
+    assert r.usage.prompt_tokens == 48 and r.usage.completion_tokens == len(expect.tokens)
+    assert r.choices[0].finish_reason == ("length" if len(expect.tokens) == 12 else "stop")
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    assert chunks[-1].usage.completion_tokens == len(expect.tokens)
+    final = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
+    assert final.model_extra["dsv41"]["ttft_s"] > 0
+
+
+def test_chat_stream_and_non_stream(client, server):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What does a queue do?"}]
+    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=msgs, max_tokens=10, temperature=0)
+    assert float(raw.headers["x-dsv41-ttft-s"]) > 0 and float(raw.headers["x-dsv41-decode-tok-s"]) > 0
+    r = raw.parse()
+    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens >= 1
+    s = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0, stream=True))
+    assert s[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in s) == r.choices[0].message.content
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert _metric(server, "dsv41_ttft_seconds_count") >= 2
+    assert _metric(server, 'dsv41_requests_total{outcome="ok"}') >= 2
+
+
+@pytest.mark.parametrize("body,status,words", [
+    (b"{not json", 400, "JSON"),
+    ({"model": "nope", "prompt": "hi"}, 404, "nope"),
+    ({"model": "tiny", "prompt": "hi", "temperature": 5}, 400, "temperature"),
+    ({"model": "tiny", "prompt": "hi", "top_p": 0.5}, 400, "top_p"),
+    ({"model": "tiny", "prompt": "hi", "n": 2}, 400, "n"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": 600}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": [5] * 600}, 400, "context"),
+    ({"model": "tiny", "prompt": [10 ** 6]}, 400, "vocabulary"),
+    ({"model": "tiny", "prompt": ""}, 400, "empty"),
+    ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ({"model": "tiny"}, 400, "prompt"),
+])
+def test_bad_requests_get_their_status(server, body, status, words):
+    path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(server + path, timeout=30, **kw)
+    assert r.status_code == status, r.text
+    assert words in r.json()["error"]["message"]
+    assert _health(server)["status"] == "ok"
+
+
+def _wait_idle(url, timeout=30):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        h = _health(url)
+        if h["running"] == 0 and h["queued"] == 0:
+            return h
+        time.sleep(0.2)
+    raise AssertionError(f"the server did not go idle: {h}")
+
+
+def test_a_disconnect_mid_stream_frees_the_slot(server, client):
+    _wait_idle(server)
+    before = _metric(server, 'dsv41_requests_total{outcome="cancelled"}') or 0
+    with httpx.stream("POST", server + "/v1/completions", timeout=60,
+                      json={"model": "tiny", "prompt": "Return a list", "max_tokens": 480, "stream": True,
+                            "ignore_eos": True}) as r:
+        lines = r.iter_lines()
+        got = []
+        for line in lines:
+            if line.startswith("data:"):
+                got.append(line)
+            if len(got) == 3:
+                break
+    assert len(got) == 3
+    _wait_idle(server)                       # well before 480 tokens could have been generated
+    assert (_metric(server, 'dsv41_requests_total{outcome="cancelled"}') or 0) >= before + 1
+    r = client.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens >= 1
+
+
+def test_a_full_queue_gets_429_and_loses_nothing(server):
+    _wait_idle(server)
+    body = {"model": "tiny", "prompt": "Return a list", "max_tokens": 200, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    results = {}
+
+    def long_stream(name):
+        with httpx.stream("POST", server + "/v1/completions", json=body, timeout=120) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            results[name] = (r.status_code, chunks[-1]["usage"]["completion_tokens"])
+
+    first = threading.Thread(target=long_stream, args=("running",))
+    first.start()
+    while _health(server)["running"] == 0:
+        time.sleep(0.05)
+    second = threading.Thread(target=long_stream, args=("queued",))
+    second.start()
+    while _health(server)["queued"] == 0:
+        time.sleep(0.05)
+    r = httpx.post(server + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 429 and "queue" in r.json()["error"]["message"]
+    first.join()
+    second.join()
+    assert results["running"] == (200, 200) and results["queued"] == (200, 200)
+    assert json.loads(httpx.get(server + "/dsv41/info").text)["plan"]["max_context"] == 512
