@@ -1,8 +1,24 @@
-"""Shared fixtures: one tiny checkpoint and one full-size skeleton per test session."""
+"""Shared fixtures, once per test session: a tiny checkpoint, a full-size skeleton, a quick end-to-end
+tune of this host, and a live dsv41-serve process on loopback."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
 import pytest
 
+from autotune.cli import main as tune_main
+from autotune.fingerprint import fingerprint
+from runtime.checkpoint.reader import Checkpoint
 from runtime.checkpoint.synth import make_checkpoint
 from runtime.config import ModelConfig
+from runtime.plan import Plan
+
+SHIPPED = Path(__file__).resolve().parents[1] / "profiles" / "5090-epyc.json"
 
 
 @pytest.fixture(scope="session")
@@ -13,3 +29,65 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def full_skeleton(tmp_path_factory):
     return make_checkpoint(ModelConfig.preset("deepseek-v4.1-flash"), tmp_path_factory.mktemp("full"), skeleton=True)
+
+
+@pytest.fixture(scope="session")
+def tuned(tiny_dir, tmp_path_factory):
+    """dsv41-tune end to end (quick) on tiny: this host's profile with plan, predictions and validation."""
+    d = tmp_path_factory.mktemp("tune")
+    out = d / "host.json"
+    assert tune_main(["--checkpoint", str(tiny_dir), "--quick", "--out", str(out), "--prompt-tokens", "96",
+                      "--max-tokens", "12", "--storage", f"sqlite:///{d / 'studies.db'}"]) == 0
+    return out
+
+
+def _host_profile(ck_dir, path, **plan_kw) -> Path:
+    """The shipped profile's measurements under this host's fingerprint, with a plan for `ck_dir`."""
+    ck = Checkpoint(ck_dir)
+    d = json.loads(SHIPPED.read_text())
+    d["host"] = fingerprint(ck.root, ck.footprint().geometry_hash)
+    d["plan"] = Plan(geometry_hash=ck.footprint().geometry_hash, **plan_kw).to_dict()
+    path.write_text(json.dumps(d))
+    return path
+
+
+@pytest.fixture(scope="session")
+def shipped():
+    return SHIPPED
+
+
+@pytest.fixture(scope="session")
+def host_profile():
+    return _host_profile
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def server(tiny_dir, tmp_path_factory):
+    prof = _host_profile(tiny_dir, tmp_path_factory.mktemp("serve") / "host.json", max_context=512)
+    port = free_port()
+    log = open(prof.with_suffix(".log"), "w")
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli.serve", "--profile", str(prof), "--checkpoint", str(tiny_dir),
+                             "--port", str(port), "--max-queue", "2"], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise RuntimeError(f"dsv41-serve did not come up: {prof.with_suffix('.log').read_text()[-2000:]}")
+        time.sleep(0.5)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+    log.close()

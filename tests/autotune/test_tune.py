@@ -5,7 +5,6 @@ import shutil
 
 import pytest
 
-from autotune.cli import main as tune_main
 from autotune.costmodel import predict
 from autotune.profile import load_profile
 from autotune.search import search
@@ -18,13 +17,6 @@ from runtime.plan import Plan
 from runtime.workload import Workload
 
 
-@pytest.fixture(scope="module")
-def tuned(tiny_dir, tmp_path_factory):
-    d = tmp_path_factory.mktemp("tune")
-    out = d / "host.json"
-    assert tune_main(["--checkpoint", str(tiny_dir), "--quick", "--out", str(out), "--prompt-tokens", "96",
-                      "--max-tokens", "12", "--storage", f"sqlite:///{d / 'studies.db'}"]) == 0
-    return out
 
 
 def test_end_to_end_writes_a_valid_profile_with_evidence(tuned):

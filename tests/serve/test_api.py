@@ -124,17 +124,15 @@ def test_a_full_queue_gets_429_and_loses_nothing(server):
             chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
             results[name] = (r.status_code, chunks[-1]["usage"]["completion_tokens"])
 
-    first = threading.Thread(target=long_stream, args=("running",))
-    first.start()
-    while _health(server)["running"] == 0:
-        time.sleep(0.05)
-    second = threading.Thread(target=long_stream, args=("queued",))
-    second.start()
-    while _health(server)["queued"] == 0:
-        time.sleep(0.05)
+    threads = []
+    for k in range(3):                                   # one running, two queued: the queue holds 2
+        threads.append(threading.Thread(target=long_stream, args=(k,)))
+        threads[-1].start()
+        while (lambda h: h["running"] + h["queued"])(_health(server)) < k + 1:
+            time.sleep(0.05)
     r = httpx.post(server + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=30)
     assert r.status_code == 429 and "queue" in r.json()["error"]["message"]
-    first.join()
-    second.join()
-    assert results["running"] == (200, 200) and results["queued"] == (200, 200)
+    for t in threads:
+        t.join()
+    assert [results[k] for k in range(3)] == [(200, 200)] * 3                    # the queued ones lost nothing
     assert json.loads(httpx.get(server + "/dsv41/info").text)["plan"]["max_context"] == 512

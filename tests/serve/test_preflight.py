@@ -11,30 +11,28 @@ from runtime.cli.serve import preflight
 from runtime.serve.chat import ChatTemplate
 from runtime.serve.text import TextStream
 
-from .conftest import SHIPPED, host_profile
-
 
 def _args(profile, checkpoint=None, force=False):
     return argparse.Namespace(profile=str(profile), checkpoint=None if checkpoint is None else str(checkpoint), force=force)
 
 
-def test_the_shipped_profile_is_refused_here_naming_what_differs(tiny_dir):
+def test_the_shipped_profile_is_refused_here_naming_what_differs(tiny_dir, shipped):
     with pytest.raises(ValueError) as e:
-        preflight(_args(SHIPPED, tiny_dir))
+        preflight(_args(shipped, tiny_dir))
     msg = str(e.value)
     assert "cpu_model" in msg and "ram_gib" in msg and "model geometry" in msg and "--force" in msg
     warned = []
-    ck, plan, _, _ = preflight(_args(SHIPPED, tiny_dir, force=True), warn=warned.append)
+    ck, plan, _, _ = preflight(_args(shipped, tiny_dir, force=True), warn=warned.append)
     assert any("cpu_model" in w for w in warned) and plan.geometry_hash == ck.footprint().geometry_hash
 
 
-def test_the_cli_exits_2_with_the_reason(tiny_dir):
-    r = subprocess.run([sys.executable, "-m", "runtime.cli.serve", "--profile", str(SHIPPED), "--checkpoint", str(tiny_dir)],
+def test_the_cli_exits_2_with_the_reason(tiny_dir, shipped):
+    r = subprocess.run([sys.executable, "-m", "runtime.cli.serve", "--profile", str(shipped), "--checkpoint", str(tiny_dir)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "made for another host or model" in r.stderr
 
 
-def test_no_checkpoint_says_how_to_give_one(tiny_dir, tmp_path, monkeypatch):
+def test_no_checkpoint_says_how_to_give_one(tiny_dir, tmp_path, monkeypatch, host_profile):
     monkeypatch.delenv("DSV41_CHECKPOINT", raising=False)
     prof = host_profile(tiny_dir, tmp_path / "p.json")
     with pytest.raises(ValueError, match="--checkpoint DIR or \\$DSV41_CHECKPOINT"):
@@ -44,7 +42,7 @@ def test_no_checkpoint_says_how_to_give_one(tiny_dir, tmp_path, monkeypatch):
     assert ck.root == tiny_dir
 
 
-def test_a_plan_that_does_not_fit_is_refused(tiny_dir, tmp_path):
+def test_a_plan_that_does_not_fit_is_refused(tiny_dir, tmp_path, host_profile):
     prof = host_profile(tiny_dir, tmp_path / "p.json", vram_budget_gib=0.0)
     with pytest.raises(DoesNotFit, match="vram_budget_gib"):
         preflight(_args(prof, tiny_dir))
