@@ -4,6 +4,8 @@
 
   dsv41-tune profile --checkpoint DIR [--out FILE] [--quick]
 
+  dsv41-tune export --profile P --to sglang|vllm|llama.cpp [--config PRESET|config.json] [--model-path M]
+
   dsv41-tune plan --profile HOST.json (--checkpoint DIR | --config CONFIG.json|PRESET)
                   [--prompt-tokens P] [--max-tokens M] [--ttft-budget S] [--vram-budget GIB]
                   [--allow-inexact-prefill] [--plan PLAN.json] [--trials N] [--storage URL] [--json]
@@ -145,6 +147,26 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from autotune.export import export, render
+    from autotune.profile import load_profile
+    from runtime.checkpoint.footprint import Footprint
+    from runtime.config import load_config
+    prof = load_profile(args.profile)
+    if not prof.get("plan"):
+        raise ValueError(f"{args.profile}: holds no plan to export; run dsv41-tune first")
+    plan = Plan.from_dict(prof["plan"], f"{args.profile} (plan)")
+    cfg = load_config(args.config)
+    fp = Footprint.from_config(cfg)
+    if plan.geometry_hash and plan.geometry_hash != fp.geometry_hash:
+        raise ValueError(f"{args.profile}: the plan was made for model geometry {plan.geometry_hash}, {args.config} is "
+                         f"{fp.geometry_hash}; give the config it was made for with --config")
+    words, env, notes = export(plan, cfg, args.to, args.model_path, fp.expert_bytes, prof["host"]["hard"].get("gpu_vram_gib"))
+    print(render(words, env, notes, f"{args.to} launch line for {cfg.name} from {args.profile}'s plan "
+                                    f"(host {prof['host'].get('name')}); re-measure there with dsv41-bench --url"))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsv41-tune", description="plan, profile and tune dsv41 for this host")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -169,6 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--out", help="profile file (default: profiles/local/<host>.json)")
     pr.add_argument("--quick", action="store_true", help="short probes (CI, demos): under a minute")
     pr.set_defaults(fn=cmd_profile)
+    ex = sub.add_parser("export", help="print another engine's launch line for a profile's plan")
+    ex.add_argument("--profile", required=True, help="a profile holding a plan")
+    ex.add_argument("--to", required=True, choices=("sglang", "vllm", "llama.cpp"))
+    ex.add_argument("--config", default="deepseek-v4.1-flash", help="the model the plan was made for (preset or config.json)")
+    ex.add_argument("--model-path", help="model path/id for that engine (default: the HF id, or the branch's GGUF)")
+    ex.set_defaults(fn=cmd_export)
     return p
 
 
@@ -212,7 +240,7 @@ def build_tune_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("plan", "profile"):
+    if argv and argv[0] in ("plan", "profile", "export"):
         return run_main(build_parser(), argv)
     return run_main(build_tune_parser(), argv)
 
