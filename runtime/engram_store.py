@@ -8,7 +8,8 @@ and prefetches: in prefill all reads go out before the first layer; in decode la
 behind layer 0, layer 14's behind layers 0-13 (V4.1). Placements:
   host         codes [rows, D] fp8 + scales [rows, D/32] copied into RAM at load
   nvme_direct  rows read with O_DIRECT through the runtime's batched reader at the plan's depth, in
-               front of a row cache (LRU, `engram_row_cache_mib`); the 8 B/row scales stay in RAM when
+               front of a row cache (LRU, `engram_row_cache_mib`): rows deduplicated, each 4 KiB block
+               read once however many rows share it; the 8 B/row scales stay in RAM when
                `engram_scales_in_ram` (one read per row), else each row also reads its scales
   nvme_mmap    the shard mapped through the page cache (competes with pinned RAM for it)
 A table whose shard is shorter than its header says, or whose row count differs from the config, is
@@ -25,7 +26,19 @@ import torch
 
 from kernels.formats import dequantize_fp8_rows
 from runtime.checkpoint.reader import Checkpoint
-from runtime.io_reader import BatchedReader
+from runtime.io_reader import BLOCK, BatchedReader
+
+
+def gather_rows(reader: BatchedReader, path: str, base: int, rows: np.ndarray, nbytes: int) -> tuple[np.ndarray, int]:
+    """Rows `rows` (sorted, unique) of a [rows, nbytes] tensor at file offset `base` -> (uint8 [n, nbytes],
+    blocks read). Each 4 KiB block is read once however many rows share it; a row straddling two
+    blocks reads both (consecutive block numbers sit next to each other in the read buffer)."""
+    off = base + rows.astype(np.int64) * nbytes
+    first, last = off // BLOCK, (off + nbytes - 1) // BLOCK
+    blocks = np.unique(np.concatenate([first, last]))
+    buf = reader.read_blocks(path, blocks)
+    at = np.searchsorted(blocks, first) * BLOCK + off % BLOCK
+    return buf[at[:, None] + np.arange(nbytes)], len(blocks)
 
 
 class EngramStore:
@@ -68,35 +81,41 @@ class EngramStore:
             self._pending[layer] = (ids, ev, {})
             threading.Thread(target=self._fetch, args=(layer, ids, ev), daemon=True).start()
 
+    def _gather(self, path, base, rows, nbytes) -> np.ndarray:
+        out, blocks = gather_rows(self.reader, path, base, rows, nbytes)
+        self.counters["reads"] += blocks
+        self.counters["bytes_read"] += blocks * BLOCK
+        return out
+
     def _fetch(self, layer, ids, ev):
         try:
-            uniq = np.unique(ids)
-            with self._lock:
-                have = {int(r): self.cache[(layer, int(r))] for r in uniq if (layer, int(r)) in self.cache}
-            miss = [int(r) for r in uniq if int(r) not in have]
+            uniq, inv = np.unique(ids, return_inverse=True)
+            D, DS = self.D, self.D // 32
+            codes, scales = np.empty((len(uniq), D), np.uint8), np.empty((len(uniq), DS), np.uint8)
+            hit = np.zeros(len(uniq), bool)
+            if self.cache_rows:
+                with self._lock:
+                    for k, r in enumerate(uniq.tolist()):
+                        v = self.cache.get((layer, r))
+                        if v is not None:
+                            self.cache.move_to_end((layer, r))
+                            codes[k], scales[k], hit[k] = v[0], v[1], True
+            miss = uniq[~hit]
             cpath, cbase, spath, sbase = self.where[layer]
-            sc = self.scales[layer]
-            reqs = [(cpath, cbase + r * self.D, self.D) for r in miss]
-            if sc is None:
-                reqs += [(spath, sbase + r * (self.D // 32), self.D // 32) for r in miss]
-            blobs = self.reader.read(reqs) if reqs else []
-            got = {}
-            for k, r in enumerate(miss):
-                s = blobs[len(miss) + k] if sc is None else sc[r].numpy()
-                got[r] = (blobs[k], s)
-            with self._lock:
-                for r, v in got.items():
-                    if self.cache_rows:
-                        self.cache[(layer, r)] = v
-                        if len(self.cache) > self.cache_rows:
-                            self.cache.popitem(last=False)
-                self.counters["rows_requested"] += ids.size
-                self.counters["unique_rows"] += len(uniq)
-                self.counters["cache_hits"] += len(have)
-                self.counters["reads"] += len(reqs)
-                self.counters["bytes_read"] += sum(n for _, _, n in reqs)
-            self._pending[layer][2].update(have)
-            self._pending[layer][2].update(got)
+            if len(miss):
+                codes[~hit] = self._gather(cpath, cbase, miss, D)
+                sc = self.scales[layer]
+                scales[~hit] = sc[torch.from_numpy(miss)].numpy() if sc is not None else self._gather(spath, sbase, miss, DS)
+            if self.cache_rows:
+                with self._lock:
+                    for k in np.nonzero(~hit)[0].tolist():
+                        self.cache[(layer, int(uniq[k]))] = (codes[k], scales[k])
+                    while len(self.cache) > self.cache_rows:
+                        self.cache.popitem(last=False)
+            self.counters["rows_requested"] += ids.size
+            self.counters["unique_rows"] += len(uniq)
+            self.counters["cache_hits"] += int(hit.sum())
+            self._pending[layer][2].update(codes=codes[inv.reshape(-1)], scales=scales[inv.reshape(-1)])
         finally:
             ev.set()
 
@@ -111,9 +130,7 @@ class EngramStore:
             t0 = time.perf_counter()
             p[1].wait()
             self.counters["wait_s"] += time.perf_counter() - t0
-            got = p[2]
-            codes = torch.from_numpy(np.stack([got[int(r)][0] for r in flat]))
-            scales = torch.from_numpy(np.stack([np.asarray(got[int(r)][1]) for r in flat]))
+            codes, scales = torch.from_numpy(p[2]["codes"]), torch.from_numpy(p[2]["scales"])
             del self._pending[layer]
         else:
             idx = torch.from_numpy(flat)

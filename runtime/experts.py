@@ -192,6 +192,8 @@ class PlacedExperts:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv41-cpu-moe")
         self.seconds.clear()
         self.layer_calls = 0
+        self.experts_read = 0                 # routed experts read, summed over layer calls (the union per call)
+        self.drafter_experts_read = 0         # the drafter's experts (top-k per drafted token and layer)
 
     # ------------------------------------------------------------------ sources
     def _source(self, layer, experts) -> tuple[Fp4Bank, int]:
@@ -257,7 +259,8 @@ class PlacedExperts:
         self.layer_calls += 1
         x = m.detach().to(torch.float32).cpu().numpy()
         ids_np, w_np = ids.cpu().numpy(), wts.detach().to(torch.float32).cpu().numpy()
-        need = sorted(set(ids_np.reshape(-1).tolist()))
+        need = sorted(set(ids_np.reshape(-1).tolist()))        # a verify batch reads the union of its tokens' experts
+        self.experts_read += len(need)
         hits = [e for e in need if self.cache.lookup((layer, e)) is not None]
         miss = [e for e in need if e not in hits]
         self.cache.hits += len(hits)
@@ -335,6 +338,7 @@ class PlacedExperts:
     def drafter_moe(self, k, m, ids, wts):
         """The drafter's own MoE (its experts live in host RAM, computed by the CPU kernel)."""
         x = m.detach().to(torch.float32).cpu().numpy()
+        self.drafter_experts_read += len(set(ids.reshape(-1).tolist()))
         t0 = time.perf_counter()
         y = expert_ffn(x, ids.cpu().numpy(), wts.detach().to(torch.float32).cpu().numpy(), self.drafter[k], threads=self.threads)
         if self.drafter_shared:

@@ -94,6 +94,18 @@ class BatchedReader:
         `latencies`, if given, receives each piece's read time in seconds (the profiler's p50/p95)."""
         if not requests:
             return []
+        big, view_at, length = self._read(requests, latencies)
+        return [np.frombuffer(big, np.uint8, int(n_), int(v)) for v, n_ in zip(view_at.tolist(), length.tolist())]
+
+    def read_blocks(self, path: str, blocks: np.ndarray) -> np.ndarray:
+        """The BLOCK-sized blocks `blocks` (sorted block numbers) of one file -> uint8 [len(blocks) * BLOCK],
+        block k of the list at k * BLOCK (two consecutive block numbers are adjacent in the result)."""
+        if not len(blocks):
+            return np.empty(0, np.uint8)
+        big, _, _ = self._read([(path, int(b) * BLOCK, BLOCK) for b in blocks.tolist()], None)
+        return np.frombuffer(big, np.uint8, len(blocks) * BLOCK)
+
+    def _read(self, requests, latencies):
         fds = {p: self._fd(p) for p in {p for p, _, _ in requests}}
         # vectorized plan: piece = (fd, aligned file offset, bytes, offset in the buffer); requests
         # longer than PIECE are split so that `depth` applies to them too
@@ -145,8 +157,7 @@ class BatchedReader:
         mv.release()
         self.requests += len(requests)
         self.bytes_read += int(length.sum())
-        view_at = start + off - a0
-        return [np.frombuffer(big, np.uint8, int(n_), int(v)) for v, n_ in zip(view_at.tolist(), length.tolist())]
+        return big, start + off - a0, length
 
     def _fallback(self, path, err):
         fd = self._fds.pop(path, None)

@@ -80,3 +80,22 @@ def test_speculative_sampling_keeps_the_target_distribution():
     assert abs(accepted / n - float(torch.minimum(p, q).sum())) < 0.015   # acceptance = sum min(p, q)
     same, _ = zip(*(verify_drafts(V, [int(torch.multinomial(p, 1, generator=gen))], [p], 1.0, gen) for _ in range(500)))
     assert sum(same) == 500                                       # q == p: every draft accepted
+
+
+def test_the_distilled_drafter_is_neither_useless_nor_perfect(tiny_dir, prompts, plain):
+    """The make-time distillation (synth EMBED_STD + distill.py) gives first-draft acceptance well
+    inside (0, 1) on fresh prompts; a verify batch reads the union of its tokens' experts."""
+    e = Engine(tiny_dir, Plan(dspark=True, draft_length=1))
+    L, K = e.cfg.num_hidden_layers, e.cfg.num_experts_per_tok
+    drafted = accepted = 0
+    for prompt, ref in zip(prompts, plain):
+        before = e.experts.experts_read
+        out = e.generate(prompt, N)
+        assert out.tokens == ref.tokens
+        drafted += out.dspark["drafted"]
+        accepted += out.dspark["accepted"]
+        calls = L * (1 + out.dspark["steps"])                 # the prefill, then one verify pass per step
+        union = (e.experts.experts_read - before) / calls
+        assert K <= union <= min(e.cfg.n_routed_experts, len(prompt) * K)
+    e.close()
+    assert 0.08 < accepted / drafted < 0.7, accepted / drafted
