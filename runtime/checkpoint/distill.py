@@ -2,9 +2,11 @@
 
 A random drafter never agrees with a random target, so neither DSpark decision could be exercised.
 At make time we run the target over natural text, then:
-  1. fit mtp.0.eh_proj by least squares so that eh_proj([enorm(embed(x_{p+1})), hnorm(h_t(p)) for each
-     target layer t]) ~ the target's final hidden state at p+1 (whose norm and head give the target's
-     next-token logits): a linear stand-in for distillation;
+  1. fit mtp.0.eh_proj by ridge regression so that eh_proj([enorm(embed(x_{p+1})), hnorm(h_t(p)) for
+     each target layer t]) ~ the target's final hidden state at p+1 (whose norm and head give the
+     target's next-token logits): a linear stand-in for distillation. The ridge strength and its
+     prior (zero, or "the next state looks like the current token") are chosen by how often the
+     drafter's argmax matches the target's on the held-out last fifth of the text;
   2. shrink the drafter blocks' residual writers (attention wo, expert and shared down projections)
      by 2^-12 through their E8M0/ue8m0 scales, so the blocks barely move the fitted state.
 The fit is in float64 from a deterministic run (one torch thread, the fp32 runtime), quantized with
@@ -21,7 +23,7 @@ from kernels.formats import quantize_fp8_block
 from runtime.checkpoint.reader import Checkpoint
 
 SHRINK_EXP = 12
-FIT_TOKENS = {"tiny": 3000, "mini": 384}
+FIT_TOKENS = {"tiny": 3000, "mini": 1536}
 
 
 def _write(ck: Checkpoint, name: str, data: np.ndarray) -> None:
@@ -34,6 +36,22 @@ def _write(ck: Checkpoint, name: str, data: np.ndarray) -> None:
         f.write(raw.tobytes())
         f.flush()
         os.fsync(f.fileno())
+
+
+LAMBDAS = (0.01, 0.1, 1.0, 10.0, 100.0)        # x mean(X^2) x n: ridge strengths tried
+
+
+def _ridge(X, Y, lam: float, prior: bool) -> torch.Tensor:
+    """Ridge regression Y ~ X W^T in its dual form (an n x n solve: the features outnumber the tokens
+    on mini), shrunk toward W0: zero, or (prior) the scaled identity on the token-embedding block,
+    i.e. "the next state looks like the current token"."""
+    H = Y.shape[1]
+    W0 = torch.zeros(H, X.shape[1], dtype=torch.float64)
+    if prior:
+        E = X[:, :H]
+        W0[:, :H] = float((E * Y).sum() / (E * E).sum()) * torch.eye(H, dtype=torch.float64)
+    K = X @ X.T + lam * float(X.pow(2).mean()) * len(X) * torch.eye(len(X), dtype=torch.float64)
+    return W0 + torch.linalg.solve(K, Y - X @ W0.T).T @ X
 
 
 def distill_drafter(root, n_tokens: int | None = None) -> dict:
@@ -66,9 +84,21 @@ def distill_drafter(root, n_tokens: int | None = None) -> dict:
         hs = [rms(st.target_hidden[t][:-1], w["mtp.0.hnorm.weight"]) for t in cfg.dspark_target_layer_ids]
         X = torch.cat([emb] + hs, 1)                                          # [n-1, (1+T) H]
         Y = st.final_hidden[1:].double()
+        target = (rms(Y, w["norm.weight"]) @ w["head.weight"].double().T).argmax(-1)   # the target's next tokens
         Y = Y * torch.rsqrt(Y.pow(2).mean(-1, keepdim=True) + eps)            # [n-1, H]: the final norm drops the scale
-        lam = 1e-3 * X.pow(2).mean()
-        W = torch.linalg.solve(X.T @ X + lam * torch.eye(X.shape[1], dtype=torch.float64), X.T @ Y).T
+        head, g = w["head.weight"].double(), w["mtp.norm.weight"]
+
+        def agree(W, rows):                                                   # drafts == the target's argmax
+            out = rms(X[rows] @ W.T, g)
+            return float(((out @ head.T).argmax(-1) == target[rows]).double().mean())
+        # choose the ridge strength and prior on the last fifth (held out), then refit on everything
+        cut = int(0.8 * len(X))
+        fit, held = slice(0, cut), slice(cut, None)
+        scores = {(lam, prior): agree(_ridge(X[fit], Y[fit], lam, prior), held)
+                  for lam in LAMBDAS for prior in (False, True)}
+        (lam, prior), held_out = max(scores.items(), key=lambda kv: kv[1])
+        W = _ridge(X, Y, lam, prior)
+        eng.close()
         eng.close()
     finally:
         torch.set_num_threads(threads)
@@ -82,4 +112,5 @@ def distill_drafter(root, n_tokens: int | None = None) -> dict:
             _write(ck, name, np.maximum(sc.astype(np.int32) - SHRINK_EXP, 1).astype(np.uint8))
             shrunk += 1
     rel = float(((X @ W.T - Y).norm() / Y.norm()))
-    return {"fit_tokens": n, "fit_relative_error": rel, "shrunk_tensors": shrunk}
+    return {"fit_tokens": n, "fit_relative_error": rel, "ridge": lam, "embedding_prior": prior,
+            "held_out_agreement": held_out, "shrunk_tensors": shrunk}

@@ -132,5 +132,5 @@ def make_checkpoint(cfg: ModelConfig, out, seed: int = 0, skeleton: bool = False
     _atomic_write_text(out / INDEX, json.dumps(index, indent=0))
     if not skeleton and cfg.dspark_num_layers:
         from runtime.checkpoint.distill import distill_drafter
-        distill_drafter(out)
+        _atomic_write_text(out / "dsv41-distill.json", json.dumps(distill_drafter(out), indent=1))
     return out
