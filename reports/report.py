@@ -80,7 +80,7 @@ def build(paths, out: Path, model: str = "deepseek-v4.1-flash", trials: int = 10
         pngs["Predicted vs measured"] = plots.predicted_vs_measured(val, out / "predicted_vs_measured.png")
     if len(front):
         pngs[f"Pareto front ({model})"] = plots.pareto(front, out / "pareto.png", model)
-    md, body = [f"# dsv41 host comparison\n", f"Inputs: {', '.join(Path(p).name for p in paths)}\n"], []
+    md, body = ["# dsv41 host comparison\n", f"Inputs: {', '.join(Path(p).name for p in paths)}\n"], []
     for name, df in tables.items():
         if not len(df):
             continue
