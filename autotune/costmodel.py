@@ -12,7 +12,8 @@ Terms (units: bytes, seconds, GB/s = 1e9 B/s; every one documented where compute
   dense/attn      dense_bytes_per_token / gpu_mem_gbs (on a GPU host; else / dram_stream)
   Engram decode   reads of layer l hide behind the layers before it: wait_l = max(0, t_io - t_layer * l)
                   t_io = 24 reads / IOPS(depth) (host placement: 0)
-  DSpark          accepted per step a = (1 - p^(d+1)) / (1 - p), p = 0.7 assumed per-token acceptance;
+  DSpark          accepted per step a = (1 - p^(d+1)) / (1 - p), p = 0.7 assumed per-token acceptance
+                  until validation measured it on this host (calibration.dspark_p_accept);
                   verify reads the union of d+1 tokens' experts: E * (1 - (1 - K/E)^(d+1)) per layer
   prefill chunk   touches u = 1 - (1 - K/E)^chunk of each layer's experts; time per chunk =
                   max(bytes / bandwidth, FLOP / FLOPS), FLOP = 2 * 3 * H * I * K * tokens per layer
@@ -24,7 +25,8 @@ Terms (units: bytes, seconds, GB/s = 1e9 B/s; every one documented where compute
   host RAM        resident routed experts + drafter + Engram (host: all; nvme_*: scales if kept + row
                   cache) + OS headroom (8 GiB, assumed); page cache = what is left (nvme_mmap uses it)
   calibration     a profile validated on its host carries decode_scale and ttft_scale (measured /
-                  predicted over the validated plans); predictions are multiplied by them
+                  predicted over the validated plans, predicted with the measured DSpark p); predictions
+                  are multiplied by them
 """
 from __future__ import annotations
 
@@ -169,7 +171,8 @@ def predict(plan: Plan, profile: dict, fp: Footprint, wl: Workload, allow_inexac
                  nvme_share=q_nvme, cpu_moe_gbs=cpu_gbs)
     tok_s = 1 / t_token
     if plan.dspark:
-        d, p = plan.draft_length, DSPARK_P_ACCEPT
+        measured_p = (profile.get("calibration") or {}).get("dspark_p_accept")
+        d, p = plan.draft_length, DSPARK_P_ACCEPT if measured_p is None else measured_p
         accepted = (1 - p ** (d + 1)) / (1 - p)
         union = E * (1 - (1 - K / E) ** (d + 1))
         t_verify = moe_time(union) + t_dense * (1 + 0.1 * d)
@@ -177,7 +180,8 @@ def predict(plan: Plan, profile: dict, fp: Footprint, wl: Workload, allow_inexac
         t_draft = d * drafter_bytes / dense_bw
         tok_s = accepted / (t_verify + t_draft)
         terms.update(dspark_accepted=accepted, dspark_union_experts=union, dspark_verify_s=t_verify, dspark_draft_s=t_draft)
-        notes.append(f"DSpark acceptance p={DSPARK_P_ACCEPT} per token is assumed until measured")
+        notes.append(f"DSpark acceptance p={p:.2f} per token is " + ("assumed until measured" if measured_p is None else
+                                                                      "measured by validation on this host"))
 
     # ---------------------------------------------------------------- prefill (TTFT)
     P, H, I = wl.prompt_tokens, fp.hidden_size, fp.moe_intermediate_size
@@ -216,8 +220,8 @@ def predict(plan: Plan, profile: dict, fp: Footprint, wl: Workload, allow_inexac
     terms.update(prefill_moe_s=t_prefill, prefill_dense_s=t_dense_prefill, prefill_engram_io_s=t_engram_prefill)
     if wl.ttft_budget_s is not None and ttft > wl.ttft_budget_s:
         notes.append(f"TTFT {ttft:.1f} s is over the budget {wl.ttft_budget_s} s")
-    cal = profile.get("calibration")
-    if cal:                               # per-host scales from validation (measured / predicted)
+    cal = profile.get("calibration") or {}
+    if "decode_scale" in cal:             # per-host scales from validation (measured / predicted)
         tok_s, ttft = tok_s * cal["decode_scale"], ttft * cal["ttft_scale"]
         terms.update(calibrated_decode_scale=cal["decode_scale"], calibrated_ttft_scale=cal["ttft_scale"])
     return Prediction(tok_s, ttft, not why, why, memory, terms, notes)

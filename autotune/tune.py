@@ -18,7 +18,7 @@ from autotune.fingerprint import compare, fingerprint
 from autotune.profile import ProfileError, load_profile, save_profile
 from autotune.profiler import run_profile
 from autotune.search import default_storage, search
-from autotune.validate import calibration, freetoken_baseline, measure_plans, noise_floor, pick
+from autotune.validate import calibration, dspark_acceptance, freetoken_baseline, measure_plans, noise_floor, pick
 from runtime.checkpoint.reader import Checkpoint
 from runtime.workload import Workload, make_prompt
 
@@ -92,7 +92,14 @@ def tune(checkpoint, out, wl: Workload, allow_inexact=False, quick=False, storag
             r["ttft_s"] = sorted(r["ttft_samples"])[len(r["ttft_samples"]) // 2]
         floor = noise_floor(rows)
         win, runner = pick(rows, wl.ttft_budget_s, floor)
+    p_accept = dspark_acceptance(rows)
+    if p_accept is not None:                          # the drafter's measured acceptance replaces the assumed one
+        prof["calibration"] = {"dspark_p_accept": p_accept}
+        for r in rows:
+            r["predicted"] = predict(r["plan"], prof, fp, wl, allow_inexact).to_dict()
     cal = calibration(rows)
+    if p_accept is not None:
+        cal["dspark_p_accept"] = p_accept
     prof["calibration"] = cal
     final = predict(win["plan"], prof, fp, wl, allow_inexact)
     prof["plan"] = win["plan"].to_dict()
@@ -102,7 +109,9 @@ def tune(checkpoint, out, wl: Workload, allow_inexact=False, quick=False, storag
         "noise_floor": floor, "study": study.study_name, "storage": str(storage if isinstance(storage, str) else "journal:$DSV41_CACHE"),
         "rows": [{"plan": r["plan"].to_dict(), "baseline": r["baseline"], "predicted": {k: r["predicted"][k] for k in ("decode_tok_s", "ttft_s", "feasible")},
                   "measured": {"decode_tok_s": r["decode_tok_s"], "ttft_s": r["ttft_s"], "cold": r["cold"], "interleaved": r["interleaved"],
-                               "decode_samples": r["decode_samples"], "ttft_samples": r["ttft_samples"]}} for r in rows],
+                               "decode_samples": r["decode_samples"], "ttft_samples": r["ttft_samples"],
+                               **({"dspark_mean_accepted": r["dspark_mean_accepted"]} if r.get("dspark_mean_accepted") else {})}}
+                 for r in rows],
         "picked": rows.index(win),
     }
     prof["checkpoint"] = str(ck.root)

@@ -66,6 +66,8 @@ def measure_plans(ck, plans: list[Plan], wl: Workload, prompt: list[int], rounds
         out = e.generate(prompt, wl.max_tokens)
         row["decode_samples"].append(out.decode_tok_s)
         row["ttft_samples"].append(out.ttft_s)
+        if out.dspark:
+            row.setdefault("dspark_mean_accepted", []).append(out.dspark["mean_accepted"])
         if progress:
             progress()
     try:
@@ -112,6 +114,22 @@ def pick(rows, ttft_budget, floor):
     win = min(ties, key=lambda r: r["ttft_s"])
     rest = [r for r in ranked if r is not win]
     return win, (rest[0] if rest else None)
+
+
+def dspark_acceptance(rows) -> float | None:
+    """The per-token acceptance p the cost model's geometric law needs, from the validated DSpark plans:
+    mean accepted drafts per step a = p + p^2 + ... + p^d, solved for p (bisection), median over
+    plans. None when no DSpark plan was validated."""
+    ps = []
+    for r in rows:
+        if r.get("dspark_mean_accepted"):
+            a, d = statistics.median(r["dspark_mean_accepted"]), r["plan"].draft_length
+            lo, hi = 0.0, 1.0
+            for _ in range(50):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if sum(mid ** i for i in range(1, d + 1)) < a else (lo, mid)
+            ps.append(lo)
+    return min(statistics.median(ps), 0.99) if ps else None
 
 
 def calibration(rows) -> dict:

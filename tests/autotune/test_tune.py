@@ -103,3 +103,21 @@ def test_recalibration_moves_predictions_toward_measurements():
         after = predict(r["plan"], tuned, fp, wl)
         assert abs(after.decode_tok_s - r["decode_tok_s"]) < abs(before.decode_tok_s - r["decode_tok_s"]) * 0.1
         assert abs(after.ttft_s - r["ttft_s"]) < abs(before.ttft_s - r["ttft_s"]) * 0.1
+
+
+def test_measured_dspark_acceptance_replaces_the_assumed_one():
+    from autotune.validate import dspark_acceptance
+    p_true = 0.35
+    rows = [{"plan": Plan(dspark=True, draft_length=d), "dspark_mean_accepted": [sum(p_true ** i for i in range(1, d + 1))] * 3}
+            for d in (1, 2, 4)] + [{"plan": Plan(), "decode_samples": [1.0]}]
+    p = dspark_acceptance(rows)
+    assert abs(p - p_true) < 1e-6
+    assert dspark_acceptance(rows[-1:]) is None                          # no DSpark plan validated: nothing measured
+    epyc = load_profile("profiles/5090-epyc.json")
+    fp = Footprint.from_config(ModelConfig.preset("deepseek-v4-flash"))
+    plan, wl = Plan(dspark=True, draft_length=3, max_context=8192), Workload(1024, 64)
+    assumed = predict(plan, epyc, fp, wl)
+    measured = predict(plan, {**epyc, "calibration": {"dspark_p_accept": p}}, fp, wl)
+    assert measured.decode_tok_s < assumed.decode_tok_s                 # 0.35 < the assumed 0.7
+    assert measured.terms["dspark_accepted"] == pytest.approx(sum(p ** i for i in range(4)))
+    assert any("measured by validation" in n for n in measured.notes) and any("assumed" in n for n in assumed.notes)
