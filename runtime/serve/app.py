@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import secrets
 import time
 import uuid
 
@@ -135,7 +136,8 @@ def create_app(engine, tokenizer, template, model_id: str, info: dict, max_queue
     async def _submit(req: Sampling, prompt: list[int], max_tokens: int) -> Job:
         if not worker.thread.is_alive():
             raise ApiError(503, "the engine is not running", kind="server_error")
-        job = Job(prompt, max_tokens, req.temperature, req.seed or 0, () if req.ignore_eos or eos is None else (eos,),
+        seed = req.seed if req.seed is not None else secrets.randbits(31)    # no seed: a fresh sample each time
+        job = Job(prompt, max_tokens, req.temperature, seed, () if req.ignore_eos or eos is None else (eos,),
                   asyncio.get_running_loop())
         try:
             worker.submit(job)

@@ -136,3 +136,11 @@ def test_a_full_queue_gets_429_and_loses_nothing(server):
         t.join()
     assert [results[k] for k in range(3)] == [(200, 200)] * 3                    # the queued ones lost nothing
     assert json.loads(httpx.get(server + "/dsv41/info").text)["plan"]["max_context"] == 512
+
+
+def test_sampling_is_seeded_when_asked_and_fresh_otherwise(client):
+    kw = dict(model="tiny", prompt="The queue", max_tokens=12, temperature=1.5)
+    a = client.completions.create(seed=7, **kw).choices[0].text
+    assert a == client.completions.create(seed=7, **kw).choices[0].text
+    unseeded = {client.completions.create(**kw).choices[0].text for _ in range(4)}
+    assert len(unseeded) > 1
