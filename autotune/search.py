@@ -47,12 +47,16 @@ def suggest_plan(trial: optuna.Trial, profile: dict, fp: Footprint, wl: Workload
     cores = int(profile["host"]["hard"]["physical_cores"])
     need = wl.prompt_tokens + wl.max_tokens
     contexts = [c for c in CONTEXTS if c >= need] or [need]
+    routed_gib = fp.routed_expert_bytes_total / 2**30
+    # experts kept in RAM never exceed the host's RAM: sampling past it only finds infeasible plans (on a
+    # 24 GiB host with V4.1's 246 GiB of experts, 90% of the range)
+    budget_hi = min(routed_gib, float(profile["host"]["hard"].get("ram_gib") or routed_gib))
     kw = dict(
         moe_strategy=trial.suggest_categorical("moe_strategy", ["cpu", "offload", "hybrid"] if gpu else ["cpu"]),
         fetch_fraction=trial.suggest_float("fetch_fraction", 0.0, 1.0, step=0.05),
         slot_cache_experts=trial.suggest_int("slot_cache_experts", 0, 4000 if gpu else 0, step=25 if gpu else 1),
         cpu_threads=trial.suggest_int("cpu_threads", 1, cores),
-        host_expert_budget_gib=trial.suggest_float("host_expert_budget_gib", 0.0, max(1.0, fp.routed_expert_bytes_total / 2**30)),
+        host_expert_budget_gib=trial.suggest_float("host_expert_budget_gib", 0.0, max(1.0, budget_hi)),
         prefill_chunk=trial.suggest_categorical("prefill_chunk", list(CHUNKS)),
         prefill_mode=trial.suggest_categorical("prefill_mode", ["full", "bounded_replay"] if allow_inexact else ["full"]),
         prefill_moe_path=trial.suggest_categorical("prefill_moe_path", ["cpu", "device"] if gpu else ["cpu"]),
@@ -61,11 +65,12 @@ def suggest_plan(trial: optuna.Trial, profile: dict, fp: Footprint, wl: Workload
         engram_placement=trial.suggest_categorical("engram_placement", ["host", "nvme_direct", "nvme_mmap"] if fp.engram_rows_total else ["host"]),
         engram_io_depth=trial.suggest_categorical("engram_io_depth", [1, 2, 4, 8, 16, 32, 64]),
         engram_row_cache_mib=trial.suggest_categorical("engram_row_cache_mib", [0, 256, 1024, 4096]),
+        engram_scales_in_ram=trial.suggest_categorical("engram_scales_in_ram", [True, False]),
         dspark=trial.suggest_categorical("dspark", [False, True] if fp.dspark_num_layers else [False]),
         draft_length=trial.suggest_int("draft_length", 1, 5),
         geometry_hash=fp.geometry_hash,
     )
-    if kw["host_expert_budget_gib"] >= fp.routed_expert_bytes_total / 2**30 * 0.999:
+    if kw["host_expert_budget_gib"] >= routed_gib * 0.999:
         kw["host_expert_budget_gib"] = None
     return Plan(**kw)
 

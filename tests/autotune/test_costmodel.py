@@ -107,6 +107,17 @@ def test_cpu_only_host_gets_cpu_plans(epyc, v41):
     assert not r.feasible and "no GPU" in r.why[0]
 
 
+def test_a_small_host_finds_the_nvme_plans_that_fit(epyc, v41):
+    """24 GiB of RAM, no GPU, V4.1's 246 GiB of experts and 203 GB of Engram: only plans with nearly
+    every expert on NVMe and the Engram scales off RAM fit; the search must reach them."""
+    small = copy.deepcopy(epyc)
+    small["host"]["hard"].update(gpu_name="", gpu_vram_gib=0, ram_gib=24.0)
+    _, results = search(small, v41, Workload(1024, 64), n_trials=400)
+    assert results and all(r.feasible for _, r in results)
+    assert all(p.host_expert_budget_gib is not None and p.host_expert_budget_gib <= 24 for p, _ in results)
+    assert any(not p.engram_scales_in_ram for p, _ in results)
+
+
 def test_study_persists_and_a_rerun_resumes(epyc, v4, tmp_path):
     url = f"sqlite:///{tmp_path / 'studies.db'}"
     st1, _ = search(epyc, v4, Workload(1024, 64), n_trials=30, storage=url)
