@@ -9,7 +9,11 @@ Terms (units: bytes, seconds, GB/s = 1e9 B/s; every one documented where compute
                   offload: Bm / gather_gbs
                   hybrid:  max(f * Bm / gather_c, (1 - f) * Bm / cpu_c)  (contended figures: both at once)
                   + L * dispatch_fixed                               (LESSONS 3: per-layer submit/sync)
-  dense/attn      dense_bytes_per_token / gpu_mem_gbs (on a GPU host; else / dram_stream)
+  dense/attn      dense_bytes_per_token / gpu_mem_gbs on a GPU host; on a CPU host the runtime's path:
+                  (4 x fp8 dense bytes + 2 x bf16 head bytes) / dense_path_gbs (fp32 copies; the
+                  profiler times the runtime's own dense path per token and states it in these bytes;
+                  used only at the geometry it was timed at, else DRAM stream read)
+                  + shared-expert bytes / CPU-MoE GB/s
   Engram decode   reads of layer l hide behind the layers before it: wait_l = max(0, t_io - t_layer * l)
                   t_io = 24 reads / IOPS(depth) (host placement: 0)
   DSpark          accepted per step a = (1 - p^(d+1)) / (1 - p), p = 0.7 assumed per-token acceptance
@@ -158,7 +162,18 @@ def predict(plan: Plan, profile: dict, fp: Footprint, wl: Workload, allow_inexac
             t = max(f * miss / (c[1] * 1e9), (1 - f) * miss / (c[0] * 1e9))
         return t + from_nvme + hits + L * disp
     dense_bw = (gpu_mem if gpu and gpu_mem else dram) * 1e9
-    t_dense = fp.dense_bytes_per_token / dense_bw
+    if gpu:
+        t_dense = fp.dense_bytes_per_token / dense_bw
+    else:       # the runtime's CPU path: fp32 copies of the fp8 dense weights (4x their bytes, 2x the bf16
+        #         head) through torch matmuls, the shared expert on the CPU-MoE kernel
+        shared, fp8_dense = fp.bytes_by_class["shared_expert"], fp.bytes_by_class["dense"]
+        rest = fp.dense_bytes_per_token - shared - fp8_dense
+        # per-op overheads dominate at toy sizes, so the figure only stands for the geometry it was timed at
+        dp = profile["measurements"].get("dense_path_gbs") or {}
+        path = figure(profile, "dense_path_gbs") if dp.get("geometry") == fp.geometry_hash else None
+        if path is None:
+            notes.append("dense_path_gbs not measured at this model's geometry: the dense path is costed at DRAM stream read")
+        t_dense = (4 * fp8_dense + 2 * rest) / ((path or dram) * 1e9) + shared / (cpu_gbs * 1e9)
     t_moe = moe_time(K)
     t_layer = (t_moe + t_dense) / max(L, 1)
     t_engram = 0.0

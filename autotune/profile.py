@@ -19,7 +19,7 @@ SOURCES = ("measured", "published", "formula", "assumed")
 HARD_FIELDS = ("cpu_model", "isa", "physical_cores", "numa_nodes", "ram_gib", "gpu_name", "gpu_vram_gib", "pcie_link")
 SCALAR_KEYS = ("dram_stream_read_gbs", "pcie_h2d_gbs", "pcie_d2h_gbs", "pcie_gather_gbs", "moe_dispatch_fixed_us",
                "nvme_seq_read_gbs", "matmul_tflops")
-OPTIONAL_SCALARS = ("gpu_mem_gbs", "gpu_tflops")
+OPTIONAL_SCALARS = ("gpu_mem_gbs", "gpu_tflops", "dense_path_gbs")
 
 
 class ProfileError(ValueError):

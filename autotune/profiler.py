@@ -15,11 +15,11 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
+import psutil
 import torch
 
 from autotune.fingerprint import fingerprint
-from autotune.host import physical_cores
+from autotune.host import llc_bytes, physical_cores
 from autotune.measure import Measurement, measure
 from autotune.probes import nvme
 from autotune.probes.cpu_moe import GEOMETRIES, cpu_moe, random_bank
@@ -44,6 +44,38 @@ def _matmul_tflops(quick: bool) -> Measurement:
     a, b = torch.randn(n, n, dtype=torch.bfloat16), torch.randn(n, n, dtype=torch.bfloat16)
     m = measure(lambda: a @ b, repeats=5 if quick else 10, warmup=2)
     return m.map(lambda s: 2 * n ** 3 / s / 1e12, "TFLOP/s")
+
+
+class _NoExperts:
+    """An expert backend that contributes nothing: isolates the dense path."""
+    def routed(self, layer, m, ids, wts):
+        return torch.zeros_like(m)
+
+    def shared(self, layer, m):
+        return torch.zeros_like(m)
+
+
+def _dense_path_gbs(ck: Checkpoint, quick: bool) -> Measurement:
+    """One decode token through the runtime's own dense path at the served geometry (attention, norms,
+    router, Engram gate over mapped rows, LM head; experts stubbed out), expressed as the bytes that
+    path reads per token (fp32 copies: 4x the fp8 dense bytes, 2x the bf16 head) per second, so the
+    cost model can carry it to another geometry."""
+    from runtime.engine import load_cmap
+    from runtime.engram_store import EngramStore
+    from runtime.model.transformer import Model
+    from runtime.model.weights import load_dense
+    cfg, fp = ck.config, ck.footprint()
+    engram = EngramStore(ck, "nvme_mmap") if cfg.engram_layer_ids else None
+    model = Model(cfg, load_dense(ck, torch.float32, "cpu"), _NoExperts(), engram, load_cmap(ck), torch.float32, "cpu")
+    repeats = 5 if quick else 15
+    st = model.new_state(32 + repeats + 4)
+    flush = torch.empty(2 * llc_bytes() // 4)                 # in a decode step the MoE streams evict the dense
+    with torch.inference_mode():                              # weights from the LLC: so does this, between steps
+        model.forward(st, [k % cfg.vocab_size for k in range(1, 17)])
+        m = measure(lambda: model.forward(st, [7]), repeats=repeats, warmup=2, setup=lambda: flush.add_(1.0))
+    fp8_dense, shared = fp.bytes_by_class["dense"], fp.bytes_by_class["shared_expert"]
+    path_bytes = 4 * fp8_dense + 2 * (fp.dense_bytes_per_token - shared - fp8_dense)
+    return m.map(lambda s: path_bytes / s / 1e9, "GB/s")
 
 
 def _dispatch_us(ck: Checkpoint, threads: int) -> Measurement:
@@ -140,6 +172,14 @@ def run_profile(checkpoint, quick: bool = False, progress=None) -> dict:
             del bank
     step("matmul")
     m["matmul_tflops"] = _fig(_matmul_tflops(quick), dtype="bf16")
+    step("dense path (runtime)")
+    fp32_dense = 4 * ck.footprint().dense_bytes_per_token
+    if torch.cuda.is_available():
+        m["dense_path_gbs"] = _skipped("the dense path runs on the GPU on this host")
+    elif fp32_dense > psutil.virtual_memory().available // 4:
+        m["dense_path_gbs"] = _skipped(f"fp32 dense weights ({fp32_dense / 2**30:.1f} GiB) exceed a quarter of the available RAM")
+    else:
+        m["dense_path_gbs"] = _fig(_dense_path_gbs(ck, quick), geometry=ck.config.geometry_hash())
     step("MoE dispatch (runtime path)")
     m["moe_dispatch_fixed_us"] = _fig(_dispatch_us(ck, cores))
     step("PCIe")
@@ -189,7 +229,7 @@ def summary_rows(profile: dict) -> list[tuple[str, str]]:
     for e in m["cpu_moe_gbs"]:
         rows.append((f"CPU-MoE {e['geometry']} x{e['tokens']} t{e['threads']}",
                      f(e) + f"  {e['extra'].get('gflops', 0):.0f} GFLOP/s" if "extra" in e else f(e)))
-    rows += [("matmul bf16", f(m["matmul_tflops"])), ("MoE dispatch per layer", f(m["moe_dispatch_fixed_us"])),
+    rows += [("matmul bf16", f(m["matmul_tflops"])), ("dense path per token (runtime)", f(m.get("dense_path_gbs"))), ("MoE dispatch per layer", f(m["moe_dispatch_fixed_us"])),
              ("PCIe H2D", f(m["pcie_h2d_gbs"])), ("PCIe D2H", f(m["pcie_d2h_gbs"])), ("PCIe gather", f(m["pcie_gather_gbs"])),
              ("NVMe sequential (expert blocks)", f(m["nvme_seq_read_gbs"]))]
     for c in m.get("contended", []):

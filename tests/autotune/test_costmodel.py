@@ -107,6 +107,26 @@ def test_cpu_only_host_gets_cpu_plans(epyc, v41):
     assert not r.feasible and "no GPU" in r.why[0]
 
 
+def test_cpu_host_dense_term_is_the_runtime_path(epyc, v41):
+    """On a CPU host the dense term is (4 x fp8 dense + 2 x head) bytes at the measured dense-path rate,
+    plus the shared expert on the CPU-MoE kernel; without the figure it falls back to DRAM, and says so."""
+    cpu = copy.deepcopy(epyc)
+    cpu["host"]["hard"].update(gpu_name="", gpu_vram_gib=0)
+    plan, wl = Plan(host_expert_budget_gib=100.0), Workload(1024, 64)
+    fallback = predict(plan, cpu, v41, wl)
+    assert any("dense_path_gbs" in n for n in fallback.notes)
+    cpu["measurements"]["dense_path_gbs"] = {"median": 10.0, "min": 9.0, "max": 11.0, "unit": "GB/s", "source": "measured",
+                                             "samples": [9.0, 10.0, 11.0], "geometry": "another model"}
+    assert predict(plan, cpu, v41, wl).decode_tok_s == fallback.decode_tok_s   # timed at another geometry: not used
+    cpu["measurements"]["dense_path_gbs"]["geometry"] = v41.geometry_hash
+    r = predict(plan, cpu, v41, wl)
+    fp8, shared = v41.bytes_by_class["dense"], v41.bytes_by_class["shared_expert"]
+    head = v41.dense_bytes_per_token - fp8 - shared
+    moe_gbs = r.terms["cpu_moe_gbs"]
+    assert r.terms["decode_dense_s"] == pytest.approx((4 * fp8 + 2 * head) / 10e9 + shared / (moe_gbs * 1e9))
+    assert r.decode_tok_s < fallback.decode_tok_s
+
+
 def test_a_small_host_finds_the_nvme_plans_that_fit(epyc, v41):
     """24 GiB of RAM, no GPU, V4.1's 246 GiB of experts and 203 GB of Engram: only plans with nearly
     every expert on NVMe and the Engram scales off RAM fit; the search must reach them."""

@@ -32,6 +32,8 @@ def test_quick_profile_is_complete_and_valid(quick_profile, tiny_dir):
     assert all(not e["path"].startswith("/") for e in m["nvme_randread_4k"])     # relative to the checkpoint
     assert m["contended"][0]["pair"] == "cpu_moe+nvme_randread" and m["contended"][0]["cpu_moe_gbs"]["median"] > 0
     assert m["moe_dispatch_fixed_us"]["median"] > 0
+    d = m["dense_path_gbs"]                              # the runtime's own dense path, CPU host
+    assert "skipped" in d or (d["median"] > 0 and len(d["samples"]) >= 3 and d["geometry"])
     assert not (tiny_dir / ".dsv41-nvme-probe.bin").exists()                   # the scratch file is removed
     assert all(k in p["host"]["hard"] for k in HARD_FIELDS)
 
