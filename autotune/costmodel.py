@@ -91,7 +91,7 @@ def predict(plan: Plan, profile: dict, fp: Footprint, wl: Workload, allow_inexac
     why, notes, terms = [], [], {}
     gpu = _gpu(profile)
     L, K, E, eb = fp.num_layers, fp.top_k, fp.n_routed_experts, fp.expert_bytes
-    cpu_gbs, note = cpu_moe_figure(profile, fp.geometry)
+    cpu_gbs, note = cpu_moe_figure(profile, fp.geometry, threads=plan.cpu_threads or int(profile["host"]["hard"]["physical_cores"]))
     if note:
         notes.append(note)
     dram = figure(profile, "dram_stream_read_gbs") or cpu_gbs

@@ -139,15 +139,19 @@ def assumed_keys(profile: dict) -> list[str]:
 
 
 def cpu_moe_figure(profile: dict, geometry: str, tokens: int = 1, threads: int | None = None):
-    """CPU-MoE GB/s for this expert geometry at batch `tokens` (best over threads unless given).
-    -> (gbs, note); note says so when the figure was measured at another geometry (extrapolation)."""
+    """CPU-MoE GB/s for this expert geometry at batch `tokens`: best over threads, or at `threads`
+    (measured there, else the best figure scaled by threads / its thread count, never up: the kernel
+    is compute-bound per core until DRAM binds). -> (gbs, note); the note says when the figure was
+    measured at another geometry (extrapolation) or scaled to another thread count."""
     rows = [e for e in profile["measurements"]["cpu_moe_gbs"] if "skipped" not in e]
-    if threads is not None:
-        rows = [e for e in rows if e.get("threads") == threads] or rows
-    same = [e for e in rows if e["geometry"] == geometry and e.get("tokens", 1) == tokens] or \
-           [e for e in rows if e["geometry"] == geometry]
-    if same:
-        best = max(same, key=lambda e: e["median"])
-        return float(best["median"]), ""
-    best = max(rows, key=lambda e: e["median"])
-    return float(best["median"]), f"cpu_moe_gbs extrapolated from geometry {best['geometry']} to {geometry}"
+    at = [e for e in rows if e.get("threads") == threads] if threads is not None else []
+    pool = at or rows
+    same = [e for e in pool if e["geometry"] == geometry and e.get("tokens", 1) == tokens] or \
+           [e for e in pool if e["geometry"] == geometry]
+    best = max(same or pool, key=lambda e: e["median"])
+    gbs = float(best["median"])
+    notes = [] if same else [f"cpu_moe_gbs extrapolated from geometry {best['geometry']} to {geometry}"]
+    if threads is not None and not at and best.get("threads") and threads < best["threads"]:
+        gbs *= threads / best["threads"]
+        notes.append(f"cpu_moe_gbs scaled from {best['threads']} measured threads to {threads}")
+    return gbs, "; ".join(notes)

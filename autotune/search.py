@@ -16,7 +16,7 @@ import json
 
 import optuna
 
-from autotune.costmodel import Prediction, predict
+from autotune.costmodel import OS_HEADROOM, Prediction, predict
 from runtime.checkpoint.footprint import Footprint
 from runtime.plan import Plan
 from runtime.workload import Workload
@@ -48,14 +48,17 @@ def suggest_plan(trial: optuna.Trial, profile: dict, fp: Footprint, wl: Workload
     need = wl.prompt_tokens + wl.max_tokens
     contexts = [c for c in CONTEXTS if c >= need] or [need]
     routed_gib = fp.routed_expert_bytes_total / 2**30
-    # experts kept in RAM never exceed the host's RAM: sampling past it only finds infeasible plans (on a
-    # 24 GiB host with V4.1's 246 GiB of experts, 90% of the range)
-    budget_hi = min(routed_gib, float(profile["host"]["hard"].get("ram_gib") or routed_gib))
+    # experts kept in RAM never exceed what the host's RAM leaves after the OS headroom and (no GPU) the
+    # dense weights: sampling past it only finds infeasible plans (24 GiB host, V4.1: 99% of 0-246 GiB)
+    ram_gib = float(profile["host"]["hard"].get("ram_gib") or routed_gib)
+    fixed = OS_HEADROOM + (0 if gpu else fp.dense_bytes_per_token + fp.bytes_by_class["embeddings"])
+    budget_hi = min(routed_gib, ram_gib - fixed / 2**30)
     kw = dict(
         moe_strategy=trial.suggest_categorical("moe_strategy", ["cpu", "offload", "hybrid"] if gpu else ["cpu"]),
         fetch_fraction=trial.suggest_float("fetch_fraction", 0.0, 1.0, step=0.05),
         slot_cache_experts=trial.suggest_int("slot_cache_experts", 0, 4000 if gpu else 0, step=25 if gpu else 1),
-        cpu_threads=trial.suggest_int("cpu_threads", 1, cores),
+        # 0 = every core; the rest leave cores to the OS / I/O threads or halve the CPU-MoE share
+        cpu_threads=trial.suggest_categorical("cpu_threads_choice", sorted({0, max(1, cores - 2), max(1, cores // 2), 1})),
         host_expert_budget_gib=trial.suggest_float("host_expert_budget_gib", 0.0, max(1.0, budget_hi)),
         prefill_chunk=trial.suggest_categorical("prefill_chunk", list(CHUNKS)),
         prefill_mode=trial.suggest_categorical("prefill_mode", ["full", "bounded_replay"] if allow_inexact else ["full"]),
