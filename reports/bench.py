@@ -74,7 +74,7 @@ async def run_phase(url, model, jobs, concurrency=1, rate=None, seed=0, progress
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(jobs)) if rate else np.zeros(len(jobs))
     limits = httpx.Limits(max_connections=max(concurrency, 1) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), limits=limits) as client:
-        async def go(k, prompt, n):
+        async def go(prompt, n):
             async with sem:
                 r = await one_request(client, url, model, prompt, n)
             if progress:
@@ -82,10 +82,10 @@ async def run_phase(url, model, jobs, concurrency=1, rate=None, seed=0, progress
             return r
         t0 = time.perf_counter()
         tasks = []
-        for k, (prompt, n) in enumerate(jobs):
+        for gap, (prompt, n) in zip(gaps, jobs):
             if rate:
-                await asyncio.sleep(gaps[k])
-            tasks.append(asyncio.create_task(go(k, prompt, n)))
+                await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(go(prompt, n)))
         out = await asyncio.gather(*tasks)
     return out, time.perf_counter() - t0
 
@@ -118,7 +118,7 @@ def _tokenizer(url, path):
     return Tokenizer.from_str(r.text)
 
 
-def bench(args, log=print) -> list[dict]:
+def bench(args) -> list[dict]:
     from autotune.fingerprint import _commit
     from runtime.workload import make_prompt
     url = args.url.rstrip("/")
@@ -206,7 +206,7 @@ def cmd_bench(args) -> int:
             or not 0 <= args.spread < 1 or args.prompt_tokens < 1 or args.output_tokens < 1:
         raise ValueError("--requests, --concurrency, --prompt-tokens and --output-tokens must be >= 1, --warmup >= 0, "
                          "--rate > 0, --spread in [0, 1)")
-    rows = bench(args, log=lambda m: print(m, file=sys.stderr))
+    rows = bench(args)
     if args.json:
         for r in rows:
             print(json.dumps(r))

@@ -15,7 +15,6 @@ import ctypes
 import mmap
 import os
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np

@@ -1,7 +1,6 @@
 """dsv41-tune end to end (quick, on tiny) and the pieces that decide: resume, baseline, pick, recalibration."""
 import copy
 import json
-import shutil
 
 import pytest
 
