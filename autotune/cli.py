@@ -46,8 +46,8 @@ def _pred_json(pred) -> dict:
 
 def cmd_plan(args) -> int:
     from autotune.costmodel import predict
-    from autotune.profile import assumed_keys, load_profile
-    from autotune.search import pareto, runner_up, search
+    from runtime.profile import assumed_keys, load_profile
+    from autotune.search import pareto, runner_up, search, why_none
     profile = load_profile(args.profile)
     fp = _footprint(args)
     wl = Workload(prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, ttft_budget_s=args.ttft_budget)
@@ -65,7 +65,7 @@ def cmd_plan(args) -> int:
                                 vram_budget_gib=args.vram_budget, allow_inexact=args.allow_inexact_prefill)
         if not results:
             raise ValueError(f"no feasible plan for {fp.model} on {profile['host'].get('name')}: "
-                             f"{_why_none(study)}")
+                             f"{why_none(study)}")
     pick, pred = results[0]
     runner = runner_up(results)
     if args.json:
@@ -75,13 +75,6 @@ def cmd_plan(args) -> int:
         return 0 if pred.feasible else 3
     _print(profile, fp, wl, pick, pred, runner, assumed, study, pareto(results))
     return 0 if pred.feasible else 3
-
-
-def _why_none(study) -> str:
-    from collections import Counter
-    reasons = Counter(w for t in study.trials for w in t.user_attrs.get("why", []))
-    top = "; ".join(f"{w} ({n} plans)" for w, n in reasons.most_common(2))
-    return f"every sampled plan broke a budget: {top}"
 
 
 def _print(profile, fp, wl, pick, pred, runner, assumed, study, front):
@@ -121,7 +114,7 @@ def cmd_profile(args) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from autotune.profile import save_profile
+    from runtime.profile import save_profile
     from autotune.profiler import run_profile, summary_rows
     out = args.out or f"profiles/local/{platform.node() or 'host'}.json"
     with Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), TimeElapsedColumn(),
@@ -149,7 +142,7 @@ def cmd_profile(args) -> int:
 
 def cmd_export(args) -> int:
     from autotune.export import export, render
-    from autotune.profile import load_profile
+    from runtime.profile import load_profile
     from runtime.checkpoint.footprint import Footprint
     from runtime.config import load_config
     prof = load_profile(args.profile)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from autotune.profile import cpu_moe_figure, figure
+from runtime.profile import cpu_moe_figure, figure
 from runtime.checkpoint.footprint import Footprint
 from runtime.plan import Plan
 from runtime.workload import Workload
@@ -87,16 +87,57 @@ def _contended(profile):
     return None
 
 
+class MissingFigure(ValueError):
+    """The profile lacks a figure this plan's prediction needs; the message names the key(s)."""
+
+
+ASSUMED = {   # priors the model uses, each flagged in every prediction's notes (source: assumed)
+    "os_headroom": f"host RAM kept for the OS and the process: {OS_HEADROOM / GIB:.0f} GiB (assumed)",
+    "graphs": f"CUDA graph pool: {GRAPHS_BYTES / GIB:.0f} GiB (assumed)",
+    "routing": "slot-cache hit rate from uniform, independent routing: slots / (layers x experts) (assumed)",
+}
+
+
+def needed_figures(plan: Plan, profile: dict, fp: Footprint) -> list[str]:
+    """The measurement keys this plan's prediction reads on this profile's host."""
+    gpu = _gpu(profile)
+    keys = ["dram_stream_read_gbs", "moe_dispatch_fixed_us", "matmul_tflops"]
+    if gpu:
+        keys += ["gpu_mem_gbs", "gpu_tflops"]
+        if plan.moe_strategy != "cpu":
+            keys.append("pcie_gather_gbs")
+        if plan.prefill_moe_path == "device":
+            keys.append("pcie_h2d_gbs")
+    return keys
+
+
+def missing_figures(plan: Plan, profile: dict, fp: Footprint) -> list[str]:
+    out = [k for k in needed_figures(plan, profile, fp) if figure(profile, k) is None]
+    if not any("median" in e for e in profile["measurements"].get("cpu_moe_gbs", [])):
+        out.append("cpu_moe_gbs")
+    return out
+
+
 def predict(plan: Plan, profile: dict, fp: Footprint, wl: Workload, allow_inexact: bool = False) -> Prediction:
+    """Raises MissingFigure (naming every key) when the profile lacks a figure this plan needs: no
+    figure is ever replaced by a silent stand-in."""
+    missing = missing_figures(plan, profile, fp)
+    if missing:
+        raise MissingFigure(f"profile of {profile['host'].get('name', 'host')} lacks measurements "
+                            + ", ".join(f"'{k}'" for k in missing) + f" that a {plan.moe_strategy} plan on "
+                            + ("this GPU host" if _gpu(profile) else "this host") + " needs (re-profile, or add them with their source)")
     why, notes, terms = [], [], {}
     gpu = _gpu(profile)
     L, K, E, eb = fp.num_layers, fp.top_k, fp.n_routed_experts, fp.expert_bytes
     cpu_gbs, note = cpu_moe_figure(profile, fp.geometry, threads=plan.cpu_threads or int(profile["host"]["hard"]["physical_cores"]))
     if note:
         notes.append(note)
-    dram = figure(profile, "dram_stream_read_gbs") or cpu_gbs
+    notes.append(ASSUMED["os_headroom"])
+    if gpu:
+        notes += [ASSUMED["graphs"], ASSUMED["routing"]]
+    dram = figure(profile, "dram_stream_read_gbs")
     gather = figure(profile, "pcie_gather_gbs") if gpu else None
-    disp = (figure(profile, "moe_dispatch_fixed_us") or 0.0) * 1e-6
+    disp = figure(profile, "moe_dispatch_fixed_us") * 1e-6
     gpu_mem = figure(profile, "gpu_mem_gbs") if gpu else None
     nvme_seq = figure(profile, "nvme_seq_read_gbs")
 
@@ -151,17 +192,17 @@ def predict(plan: Plan, profile: dict, fp: Footprint, wl: Workload, allow_inexac
         """Seconds for one step's routed experts when each layer reads n distinct experts."""
         miss = n_experts_per_layer * L * (1 - h) * eb
         from_nvme = q_nvme * miss / (nvme_seq * 1e9) if q_nvme and nvme_seq else 0.0
-        hits = n_experts_per_layer * L * h * eb / (gpu_mem * 1e9) if gpu and gpu_mem else 0.0
-        if plan.moe_strategy == "cpu":
+        hits = n_experts_per_layer * L * h * eb / (gpu_mem * 1e9) if gpu else 0.0
+        if plan.moe_strategy == "cpu" or not gpu:          # (a device strategy without a GPU is refused above)
             t = miss / (cpu_gbs * 1e9)
         elif plan.moe_strategy == "offload":
-            t = miss / ((gather or 1e-9) * 1e9)
+            t = miss / (gather * 1e9)
         else:
-            c = _contended(profile) or (cpu_gbs, gather or 1e-9)
+            c = _contended(profile) or (cpu_gbs, gather)
             f = plan.fetch_fraction
             t = max(f * miss / (c[1] * 1e9), (1 - f) * miss / (c[0] * 1e9))
         return t + from_nvme + hits + L * disp
-    dense_bw = (gpu_mem if gpu and gpu_mem else dram) * 1e9
+    dense_bw = (gpu_mem if gpu else dram) * 1e9
     if gpu:
         t_dense = fp.dense_bytes_per_token / dense_bw
     else:       # the runtime's CPU path: fp32 copies of the fp8 dense weights (4x their bytes, 2x the bf16
@@ -178,7 +219,7 @@ def predict(plan: Plan, profile: dict, fp: Footprint, wl: Workload, allow_inexac
     t_layer = (t_moe + t_dense) / max(L, 1)
     t_engram = 0.0
     if rows and plan.engram_placement != "host":
-        iops = _iops(profile, plan.engram_io_depth) or 1.0
+        iops = _iops(profile, plan.engram_io_depth) or math.inf      # missing: infeasible above (why)
         t_io = ENGRAM_ROWS_PER_LAYER * (1 if plan.engram_scales_in_ram else 2) / iops
         t_engram = sum(max(0.0, t_io - t_layer * l) for l in fp.engram_layer_ids)
     t_token = t_moe + t_dense + t_engram
@@ -200,8 +241,8 @@ def predict(plan: Plan, profile: dict, fp: Footprint, wl: Workload, allow_inexac
 
     # ---------------------------------------------------------------- prefill (TTFT)
     P, H, I = wl.prompt_tokens, fp.hidden_size, fp.moe_intermediate_size
-    flops_cpu = (figure(profile, "matmul_tflops") or 0.1) * 1e12
-    flops_dev = (figure(profile, "gpu_tflops") or 0) * 1e12
+    flops_cpu = figure(profile, "matmul_tflops") * 1e12
+    flops_dev = figure(profile, "gpu_tflops") * 1e12 if gpu else 0.0
 
     def pass_time(tokens, layers):
         if tokens <= 0 or layers <= 0:
@@ -214,8 +255,8 @@ def predict(plan: Plan, profile: dict, fp: Footprint, wl: Workload, allow_inexac
             nbytes = u * E * eb * layers
             flop = 2 * 3 * H * I * K * n * layers
             if plan.prefill_moe_path == "device" and gpu:
-                h2d = figure(profile, "pcie_h2d_gbs") or gather or 1.0
-                t += max(nbytes / (h2d * 1e9), flop / max(flops_dev, 1.0)) + layers * disp
+                h2d = figure(profile, "pcie_h2d_gbs")
+                t += max(nbytes / (h2d * 1e9), flop / flops_dev) + layers * disp
             else:
                 t += max(nbytes / (cpu_gbs * 1e9), flop / flops_cpu) + layers * disp
         return t
@@ -225,10 +266,10 @@ def predict(plan: Plan, profile: dict, fp: Footprint, wl: Workload, allow_inexac
         t_prefill = pass_time(P, enc) + pass_time(min(P, fp.window_size), L - enc)
     else:
         t_prefill = pass_time(P, L)
-    t_dense_prefill = 2 * fp.dense_bytes_per_token * P / max(flops_dev if gpu else flops_cpu, 1.0)
+    t_dense_prefill = 2 * fp.dense_bytes_per_token * P / (flops_dev if gpu else flops_cpu)
     t_engram_prefill = 0.0
     if rows and plan.engram_placement != "host":
-        iops = _iops(profile, plan.engram_io_depth) or 1.0
+        iops = _iops(profile, plan.engram_io_depth) or math.inf
         t_engram_prefill = len(fp.engram_layer_ids) * ENGRAM_ROWS_PER_LAYER * P / iops
     compute = t_prefill + t_dense_prefill
     ttft = max(compute, t_engram_prefill)           # every Engram read is issued before the forward pass

@@ -15,16 +15,15 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import torch
 
-from autotune.fingerprint import fingerprint
-from autotune.host import llc_bytes, physical_cores
-from autotune.measure import Measurement, measure
 from autotune.probes import nvme
-from autotune.probes.cpu_moe import GEOMETRIES, cpu_moe, random_bank
-from autotune.probes.dram import dram_copy, dram_stream_read
-from autotune.profile import SCHEMA
+from autotune.probes.cpu_moe import GEOMETRIES, ProbeTooLarge, cpu_moe, random_bank
+from hostinfo import cuda_available, llc_bytes, probe_budget_bytes, usable_cores
+from hostinfo.fingerprint import fingerprint
+from hostinfo.measure import Measurement, measure
+from kernels.stream import dram_copy, dram_stream_read
+from runtime.profile import SCHEMA, io_path
 from runtime.checkpoint.reader import Checkpoint
 from runtime.plan import Plan
 
@@ -69,7 +68,7 @@ def _dense_path_gbs(ck: Checkpoint, quick: bool) -> Measurement:
     model = Model(cfg, load_dense(ck, torch.float32, "cpu"), _NoExperts(), engram, load_cmap(ck), torch.float32, "cpu")
     repeats = 5 if quick else 15
     st = model.new_state(32 + repeats + 4)
-    flush = torch.empty(2 * llc_bytes() // 4)                 # in a decode step the MoE streams evict the dense
+    flush = torch.empty(min(2 * llc_bytes(), probe_budget_bytes() // 2) // 4)   # in a decode step the MoE streams evict the dense
     with torch.inference_mode():                              # weights from the LLC: so does this, between steps
         model.forward(st, [k % cfg.vocab_size for k in range(1, 17)])
         m = measure(lambda: model.forward(st, [7]), repeats=repeats, warmup=2, setup=lambda: flush.add_(1.0))
@@ -90,11 +89,44 @@ def _dispatch_us(ck: Checkpoint, threads: int) -> Measurement:
     return Measurement(tuple(x * 1e6 for x in s), "us", note="routed() per layer minus its kernels' time (runtime path)")
 
 
-def _pcie(ck: Checkpoint, quick: bool) -> dict:
-    if not torch.cuda.is_available():
+def _gpu_figures(quick: bool) -> dict:
+    """Device memory read bandwidth (a reduction over a buffer far above any GPU cache) and bf16
+    matmul throughput: the cost model's dense, attention and device-prefill terms."""
+    if not cuda_available():
+        reason = "no CUDA device on this host"
+        return {"gpu_mem_gbs": _skipped(reason), "gpu_tflops": _skipped(reason)}
+    n = (1 if quick else 4) << 30
+    a = torch.ones(n // 4, dtype=torch.float32, device="cuda")
+
+    def synced(f):
+        def run():
+            f()
+            torch.cuda.synchronize()
+        return run
+    mem = measure(synced(lambda: a.sum()), repeats=5 if quick else 15, warmup=2).map(lambda s: n / s / 1e9, "GB/s")
+    del a
+    k = 4096 if quick else 8192
+    x, y = torch.randn(k, k, dtype=torch.bfloat16, device="cuda"), torch.randn(k, k, dtype=torch.bfloat16, device="cuda")
+    mm = measure(synced(lambda: x @ y), repeats=5 if quick else 15, warmup=2).map(lambda s: 2 * k ** 3 / s / 1e12, "TFLOP/s")
+    return {"gpu_mem_gbs": _fig(mem, buffer_bytes=n), "gpu_tflops": _fig(mm, dtype="bf16", n=k)}
+
+
+def _gather_probe(ck: Checkpoint, threads: int):
+    """A PlacedExperts whose pinned host bank stays inside the probe memory budget (never the whole
+    routed bank: 269 GiB for the full V4.1), with a 64-slot device cache. -> (pe, experts per gather)."""
+    from runtime.experts import PlacedExperts
+    cfg = ck.config
+    budget_gib = min(probe_budget_bytes(), cfg.num_hidden_layers * cfg.n_routed_experts * cfg.expert_bytes) / 2**30
+    pe = PlacedExperts(ck, Plan(moe_strategy="offload", slot_cache_experts=64, cpu_threads=threads,
+                                host_expert_budget_gib=budget_gib), device="cuda")
+    return pe, max(1, min(cfg.num_experts_per_tok, pe.resident[1 % cfg.num_hidden_layers], 64))
+
+
+def _pcie(ck: Checkpoint, quick: bool, threads: int) -> dict:
+    if not cuda_available():
         reason = "no CUDA device on this host"
         return {"pcie_h2d_gbs": _skipped(reason), "pcie_d2h_gbs": _skipped(reason), "pcie_gather_gbs": _skipped(reason)}
-    n = (256 if quick else 1024) << 20
+    n = min((256 if quick else 1024) << 20, probe_budget_bytes() // 2)
     host = torch.empty(n, dtype=torch.uint8).pin_memory()
     dev = torch.empty(n, dtype=torch.uint8, device="cuda")
 
@@ -102,37 +134,137 @@ def _pcie(ck: Checkpoint, quick: bool) -> dict:
         def run():
             f()
             torch.cuda.synchronize()
-        return measure(run, repeats=5, warmup=2).map(lambda s: n / s / 1e9, "GB/s")
+        return measure(run, repeats=5 if quick else 15, warmup=2).map(lambda s: n / s / 1e9, "GB/s")
     h2d = timed(lambda: dev.copy_(host, non_blocking=True))
     d2h = timed(lambda: host.copy_(dev, non_blocking=True))
-    from runtime.experts import PlacedExperts
+    del host, dev
     cfg = ck.config
-    pe = PlacedExperts(ck, Plan(moe_strategy="offload", slot_cache_experts=64), device="cuda")
+    pe, k = _gather_probe(ck, threads)
     try:
-        by_miss = {k: pe.gather_seconds(1 % cfg.num_hidden_layers, k) for k in (1, 6) if k <= min(64, cfg.n_routed_experts - 8)}
+        layer = 1 % cfg.num_hidden_layers
+        secs = [pe.gather_seconds(layer, k) for _ in range(2 + (5 if quick else 15))][2:]    # 2 warm-up gathers
     finally:
         pe.close()
-    k = max(by_miss)
-    gather = Measurement((k * cfg.expert_bytes / by_miss[k] / 1e9,), "GB/s", note="gather into the slot cache",
-                         extra={"seconds_by_misses": by_miss})
-    return {"pcie_h2d_gbs": _fig(h2d), "pcie_d2h_gbs": _fig(d2h), "pcie_gather_gbs": _fig(gather, geometry=f"{cfg.hidden_size}x{cfg.moe_intermediate_size}")}
+    gather = Measurement(tuple(k * cfg.expert_bytes / s / 1e9 for s in secs), "GB/s",
+                         note=f"{k} experts gathered into the slot cache per sample (runtime path)")
+    return {"pcie_h2d_gbs": _fig(h2d), "pcie_d2h_gbs": _fig(d2h),
+            "pcie_gather_gbs": _fig(gather, geometry=f"{cfg.hidden_size}x{cfg.moe_intermediate_size}")}
 
 
-def _contended(bank, threads, path: Path, n_reads: int) -> dict:
+def _contended_gather(ck: Checkpoint, bank, top_k: int, threads: int, quick: bool) -> dict:
+    """CPU-MoE and the PCIe expert gather at the same time (both read host DRAM): each side's figure."""
+    cfg = ck.config
+    pe, k = _gather_probe(ck, threads)
+    stop, secs = threading.Event(), []
+
+    def gather():
+        layer = 1 % cfg.num_hidden_layers
+        while not stop.is_set():
+            secs.append(pe.gather_seconds(layer, k))
+    t = threading.Thread(target=gather)
+    try:
+        t.start()
+        cpu = cpu_moe(bank, 1, threads, top_k=top_k, repeats=6 if quick else 12)
+    finally:
+        stop.set()
+        t.join()
+        pe.close()
+    if not secs:
+        return {"pair": "cpu_moe+pcie_gather", "cpu_moe_gbs": _fig(cpu),
+                "pcie_gather_gbs": _skipped("no gather finished while the CPU-MoE probe ran")}
+    g = Measurement(tuple(k * cfg.expert_bytes / s / 1e9 for s in secs), "GB/s", note="while the CPU-MoE probe ran")
+    return {"pair": "cpu_moe+pcie_gather", "geometry": f"{bank.hidden}x{bank.inter}", "cpu_moe_gbs": _fig(cpu),
+            "pcie_gather_gbs": _fig(g)}
+
+
+def _contended(bank, top_k, threads, path: Path, n_reads: int, repeats: int) -> dict:
     """CPU-MoE and NVMe random reads at the same time: each side's figure."""
     res = {}
 
     def io():
-        res["nvme"] = nvme.randread_4k(path, 8, n_reads, seed=9)
+        res["nvme"] = nvme.randread_4k(path, 8, n_reads, seed=9, repeats=repeats)
     t = threading.Thread(target=io)
     t.start()
-    res["cpu"] = cpu_moe(bank, 1, threads, repeats=8)
+    res["cpu"] = cpu_moe(bank, 1, threads, top_k=top_k, repeats=8)
     t.join()
     nv = res["nvme"]
     return {"pair": "cpu_moe+nvme_randread", "geometry": f"{bank.hidden}x{bank.inter}",
             "cpu_moe_gbs": _fig(res["cpu"]),
-            "nvme_randread_iops": {"median": nv["iops"], "min": nv["iops"], "max": nv["iops"], "samples": [nv["iops"]],
+            "nvme_randread_iops": {"median": nv["iops"], "min": nv["min"], "max": nv["max"], "samples": nv["samples"],
                                    "unit": "IOPS", "source": "measured", "note": "QD 8, while the CPU-MoE probe ran"}}
+
+
+def _cpu_moe_sweep(cfg, cores: int, quick: bool, step) -> tuple[list, tuple | None]:
+    """The kernel at the served geometry (its top_k) and at V4.1's and V4-Flash's (theirs), over widths
+    and threads. -> (figures, (bank, top_k) for the contended pairs: served, or V4.1's where the
+    served experts are toy-sized)."""
+    geoms = {f"{cfg.hidden_size}x{cfg.moe_intermediate_size}": (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok)}
+    for h, i, k in GEOMETRIES.values():
+        geoms.setdefault(f"{h}x{i}", (h, i, k))
+    threads_sweep = [cores] if quick else sorted({1, max(1, cores // 2), cores})
+    widths = (1, 6) if quick else (1, 2, 4, 6, 64, 256)
+    out, served = [], None
+    for gname, (H, I, K) in geoms.items():
+        step(f"CPU-MoE {gname}")
+        try:
+            bank, note = random_bank(H, I, K)
+        except ProbeTooLarge as e:
+            out.append({"skipped": str(e), "geometry": gname})
+            continue
+        for t in threads_sweep:
+            for w in widths:
+                if w > 8 and t != cores:
+                    continue
+                r = cpu_moe(bank, w, t, top_k=K, repeats=6 if quick else 12, note=note)
+                out.append(_fig(r, geometry=gname, tokens=w, threads=t))
+        if served is None and (bank.expert_bytes >= 1 << 20 or (H, I) == GEOMETRIES["deepseek-v4.1-flash"][:2]):
+            served = (bank, K)
+        else:
+            del bank
+    return out, served
+
+
+def _dense_path(ck: Checkpoint, quick: bool) -> dict:
+    fp32_dense = 4 * ck.footprint().dense_bytes_per_token
+    if cuda_available():
+        return _skipped("the dense path runs on the GPU on this host")
+    if fp32_dense > probe_budget_bytes():
+        return _skipped(f"fp32 dense weights ({fp32_dense / 2**30:.1f} GiB) exceed the probe memory budget "
+                        f"({probe_budget_bytes() / 2**30:.1f} GiB)")
+    return _fig(_dense_path_gbs(ck, quick), geometry=ck.config.geometry_hash())
+
+
+def _nvme(ck: Checkpoint, quick: bool, served, cores: int, step) -> dict:
+    """Every NVMe figure through the runtime's reader, on the Engram shard or a scratch file in a
+    temporary directory beside the checkpoint (same filesystem, never inside it)."""
+    cfg = ck.config
+    m: dict = {}
+    engram_shard = ck.shard_of(f"layers.{cfg.engram_layer_ids[0]}.engram.embed.weight") if cfg.engram_layer_ids else None
+    path, scratch = nvme.probe_file(engram_shard, ck.root)
+    rel = path.name if path.parent == ck.root else (f"scratch file ({scratch})" if scratch else str(path))
+    repeats = 3 if quick else 7
+    try:
+        n_reads = 2000 if quick else 20000
+        curve = []
+        for qd in ((1, 8, 32) if quick else nvme.DEPTHS):
+            r = nvme.randread_4k(path, qd, n_reads, repeats=repeats)
+            curve.append({"qd": qd, "iops": r["iops"], "min": r["min"], "max": r["max"], "samples": r["samples"],
+                          "p50_us": r["p50_us"], "p95_us": r["p95_us"], "path": rel, "io_path": r["io_path"],
+                          "source": "measured", **({"fallback": r["fallback"]} if r["fallback"] else {})})
+        m["nvme_randread_4k"] = curve
+        m["nvme_engram_pattern"] = [nvme.engram_pattern(path, qd, 10 if quick else 40) for qd in ((8,) if quick else (4, 8, 32))]
+        m["nvme_prefill_rows"] = [nvme.prefill_rows(path, qd, 4096 if quick else 16384) for qd in ((1, 32) if quick else nvme.DEPTHS)]
+        block = cfg.expert_bytes if cfg.expert_bytes >= 1 << 20 else 3 * 5120 * 2304 * 17 // 32
+        m["nvme_seq_read_gbs"] = _fig(nvme.seq_read(path, block, 4 if quick else 16), block_bytes=block)
+        m["nvme_software_ceiling"] = nvme.software_ceiling(path, n_reads, 8)
+        step("contended")
+        m["contended"] = [_contended(served[0], served[1], cores, path, n_reads, repeats)] if served else []
+        if cuda_available() and served:
+            m["contended"].append(_contended_gather(ck, served[0], served[1], cores, quick))
+    finally:
+        if scratch:
+            nvme.remove_scratch(path)
+    return m
 
 
 def run_profile(checkpoint, quick: bool = False, progress=None) -> dict:
@@ -142,74 +274,26 @@ def run_profile(checkpoint, quick: bool = False, progress=None) -> dict:
             progress(name)
     ck = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
     cfg = ck.config
-    cores = physical_cores()
-    threads_sweep = [cores] if quick else sorted({1, max(1, cores // 2), cores})
+    cores = usable_cores()
     step("fingerprint")
     host = fingerprint(ck.root, cfg.geometry_hash())
-    m: dict = {}
+    m: dict = {"probe_memory_budget_bytes": probe_budget_bytes()}
     step("DRAM stream read")
     m["dram_stream_read_gbs"] = _fig(dram_stream_read(cores, repeats=3 if quick else 7), threads=cores)
     m["dram_copy_gbs"] = _fig(dram_copy(cores, repeats=3 if quick else 5), threads=cores, note="bytes copied")
-    geoms = {f"{cfg.hidden_size}x{cfg.moe_intermediate_size}": (cfg.hidden_size, cfg.moe_intermediate_size)}
-    for h, i in GEOMETRIES.values():
-        geoms.setdefault(f"{h}x{i}", (h, i))
-    widths = (1, 6) if quick else (1, 2, 4, 6, 64, 256)
-    m["cpu_moe_gbs"] = []
-    served_bank = None
-    for gname, (H, I) in geoms.items():
-        step(f"CPU-MoE {gname}")
-        bank = random_bank(H, I)
-        for t in threads_sweep:
-            for w in widths:
-                if w > 8 and t != cores:
-                    continue
-                r = cpu_moe(bank, w, t, top_k=cfg.num_experts_per_tok, repeats=6 if quick else 12)
-                m["cpu_moe_gbs"].append(_fig(r, geometry=gname, tokens=w, threads=t))
-        # the contended pair runs at the served geometry, or V4.1's where the served experts are toy-sized
-        if served_bank is None and (bank.expert_bytes >= 1 << 20 or (H, I) == GEOMETRIES["deepseek-v4.1-flash"]):
-            served_bank = bank
-        else:
-            del bank
+    m["cpu_moe_gbs"], served = _cpu_moe_sweep(cfg, cores, quick, step)
     step("matmul")
     m["matmul_tflops"] = _fig(_matmul_tflops(quick), dtype="bf16")
     step("dense path (runtime)")
-    fp32_dense = 4 * ck.footprint().dense_bytes_per_token
-    if torch.cuda.is_available():
-        m["dense_path_gbs"] = _skipped("the dense path runs on the GPU on this host")
-    elif fp32_dense > psutil.virtual_memory().available // 4:
-        m["dense_path_gbs"] = _skipped(f"fp32 dense weights ({fp32_dense / 2**30:.1f} GiB) exceed a quarter of the available RAM")
-    else:
-        m["dense_path_gbs"] = _fig(_dense_path_gbs(ck, quick), geometry=ck.config.geometry_hash())
+    m["dense_path_gbs"] = _dense_path(ck, quick)
     step("MoE dispatch (runtime path)")
     m["moe_dispatch_fixed_us"] = _fig(_dispatch_us(ck, cores))
+    step("GPU")
+    m.update(_gpu_figures(quick))
     step("PCIe")
-    m.update(_pcie(ck, quick))
+    m.update(_pcie(ck, quick, cores))
     step("NVMe")
-    engram_shard = ck.shard_of(f"layers.{cfg.engram_layer_ids[0]}.engram.embed.weight") if cfg.engram_layer_ids else None
-    path, scratch = nvme.probe_file(engram_shard, ck.root)
-    rel = path.name if path.parent == ck.root else str(path)
-    try:
-        n_reads = 2000 if quick else 20000
-        curve = []
-        for qd in ((1, 8, 32) if quick else nvme.DEPTHS):
-            r = nvme.randread_4k(path, qd, n_reads)
-            curve.append({"qd": qd, "iops": r["iops"], "p50_us": r["p50_us"], "p95_us": r["p95_us"], "path": rel,
-                          "io_path": r["io_path"], "source": "measured", **({"fallback": r["fallback"]} if r["fallback"] else {})})
-        m["nvme_randread_4k"] = curve
-        m["nvme_engram_pattern"] = [nvme.engram_pattern(path, qd, 10 if quick else 40) for qd in ((8,) if quick else (4, 8, 32))]
-        m["nvme_prefill_rows"] = [nvme.prefill_rows(path, qd, 4096 if quick else 16384) for qd in ((1, 32) if quick else nvme.DEPTHS)]
-        block = cfg.expert_bytes if cfg.expert_bytes >= 1 << 20 else 3 * 5120 * 2304 * 17 // 32
-        m["nvme_seq_read_gbs"] = _fig(nvme.seq_read(path, block, 4 if quick else 16), block_bytes=block)
-        m["nvme_software_ceiling"] = nvme.software_ceiling(path, n_reads, 8)
-        step("contended")
-        m["contended"] = [_contended(served_bank, cores, path, n_reads)]
-        if torch.cuda.is_available():
-            m["contended"].append({"pair": "cpu_moe+pcie_gather", "note": "not measured yet on GPU hosts",
-                                   "cpu_moe_gbs": _skipped("contended gather probe not implemented"),
-                                   "pcie_gather_gbs": _skipped("contended gather probe not implemented")})
-    finally:
-        if scratch:
-            path.unlink(missing_ok=True)
+    m.update(_nvme(ck, quick, served, cores, step))
     return {"schema": SCHEMA, "host": host, "measurements": m, "plan": None, "predicted": None, "validation": None,
             "checkpoint": str(ck.root), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "quick": quick}
 
@@ -225,13 +309,21 @@ def summary_rows(profile: dict) -> list[tuple[str, str]]:
             return f"skipped: {v['skipped']}"
         s = f"{v['median']:.2f} {unit or v['unit']} [{v['min']:.2f}-{v['max']:.2f}]"
         return s + (" (noisy)" if v.get("noisy") else "")
-    rows = [("DRAM stream read", f(m["dram_stream_read_gbs"])), ("DRAM copy", f(m.get("dram_copy_gbs")))]
+    def noted(v):
+        return f(v) + (f"  ({v['note']})" if isinstance(v, dict) and "budget" in v.get("note", "") else "")
+    rows = [("DRAM stream read", noted(m["dram_stream_read_gbs"])), ("DRAM copy", f(m.get("dram_copy_gbs")))]
     for e in m["cpu_moe_gbs"]:
+        if "skipped" in e:
+            rows.append((f"CPU-MoE {e['geometry']}", f(e)))
+            continue
         rows.append((f"CPU-MoE {e['geometry']} x{e['tokens']} t{e['threads']}",
-                     f(e) + f"  {e['extra'].get('gflops', 0):.0f} GFLOP/s" if "extra" in e else f(e)))
-    rows += [("matmul bf16", f(m["matmul_tflops"])), ("dense path per token (runtime)", f(m.get("dense_path_gbs"))), ("MoE dispatch per layer", f(m["moe_dispatch_fixed_us"])),
-             ("PCIe H2D", f(m["pcie_h2d_gbs"])), ("PCIe D2H", f(m["pcie_d2h_gbs"])), ("PCIe gather", f(m["pcie_gather_gbs"])),
-             ("NVMe sequential (expert blocks)", f(m["nvme_seq_read_gbs"]))]
+                     noted(e) + (f"  {e['extra'].get('gflops', 0):.0f} GFLOP/s" if "extra" in e else "")))
+    rows += [("matmul bf16", f(m["matmul_tflops"])), ("dense path per token (runtime)", f(m.get("dense_path_gbs"))),
+             ("MoE dispatch per layer", f(m["moe_dispatch_fixed_us"])), ("GPU memory read", f(m.get("gpu_mem_gbs"))),
+             ("GPU matmul bf16", f(m.get("gpu_tflops"))), ("PCIe H2D", f(m["pcie_h2d_gbs"])), ("PCIe D2H", f(m["pcie_d2h_gbs"])),
+             ("PCIe gather", f(m["pcie_gather_gbs"])), ("NVMe sequential (expert blocks)", f(m["nvme_seq_read_gbs"])),
+             ("NVMe I/O path", io_path(profile))]
     for c in m.get("contended", []):
         rows.append((f"contended {c['pair']}", ", ".join(f"{k} {f(v)}" for k, v in c.items() if isinstance(v, dict))))
     return rows
+

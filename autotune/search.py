@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 
 import optuna
 
-from autotune.costmodel import OS_HEADROOM, Prediction, predict
+from autotune.costmodel import OS_HEADROOM, MissingFigure, Prediction, predict
 from runtime.checkpoint.footprint import Footprint
 from runtime.plan import Plan
 from runtime.workload import Workload
@@ -100,10 +101,16 @@ def search(profile: dict, fp: Footprint, wl: Workload, n_trials: int = 2000, sto
 
     def objective(trial):
         plan = suggest_plan(trial, profile, fp, wl, vram_budget_gib, allow_inexact)
-        pred = predict(plan, profile, fp, wl, allow_inexact=allow_inexact)
+        trial.set_user_attr("plan", plan.to_dict())
+        try:
+            pred = predict(plan, profile, fp, wl, allow_inexact=allow_inexact)
+        except MissingFigure as e:                 # e.g. a GPU strategy on a profile without gather figures
+            trial.set_constraint("budgets", 1.0)
+            trial.set_user_attr("constraints", [1.0])
+            trial.set_user_attr("why", [str(e)])
+            return 0.0, math.inf
         trial.set_constraint("budgets", _penalties(pred)[0])    # > 0: infeasible (budgets, host limits)
         trial.set_user_attr("constraints", _penalties(pred))
-        trial.set_user_attr("plan", plan.to_dict())
         if not pred.feasible:
             trial.set_user_attr("why", [w.split(" (")[0] for w in pred.why])
         if progress:
@@ -170,3 +177,11 @@ def pareto(results):
         if not front or r.decode_tok_s > front[-1][1].decode_tok_s:
             front.append((p, r))
     return front
+
+
+def why_none(study) -> str:
+    """Why a search found no feasible plan: the budgets sampled plans broke most often."""
+    from collections import Counter
+    reasons = Counter(w for t in study.trials for w in t.user_attrs.get("why", []))
+    top = "; ".join(f"{w} ({n} plans)" for w, n in reasons.most_common(2))
+    return f"every sampled plan broke a budget: {top}"

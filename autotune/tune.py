@@ -14,8 +14,8 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from autotune.costmodel import predict
-from autotune.fingerprint import compare, fingerprint
-from autotune.profile import ProfileError, load_profile, save_profile
+from hostinfo.fingerprint import compare, fingerprint
+from runtime.profile import ProfileError, load_profile, save_profile
 from autotune.profiler import run_profile
 from autotune.search import default_storage, search
 from autotune.validate import calibration, dspark_acceptance, freetoken_baseline, measure_plans, noise_floor, pick

@@ -20,7 +20,7 @@ from runtime.workload import Workload
 def freetoken_baseline(profile: dict, geometry_hash: str) -> Plan:
     """FreeToken's rule: hybrid when CPU-MoE beats 2x the PCIe gather, else offload; CPU-only hosts: cpu.
     Its other knobs are its defaults (prefill chunk 512, Engram in RAM, no speculation)."""
-    from autotune.profile import figure
+    from runtime.profile import figure
     if not profile["host"]["hard"].get("gpu_name"):
         strategy = "cpu"
     else:

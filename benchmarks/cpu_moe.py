@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from autotune.host import llc_bytes, physical_cores  # noqa: E402
-from autotune.measure import Measurement, measure  # noqa: E402
-from autotune.probes.dram import dram_stream_read  # noqa: E402
+from hostinfo import llc_bytes, usable_cores  # noqa: E402
+from hostinfo.measure import Measurement, measure  # noqa: E402
+from kernels.stream import dram_stream_read  # noqa: E402
 from kernels.cpu_moe import ISA, Fp4Bank, dequant_experts, expert_ffn, expert_ffn_dense  # noqa: E402
 
 GEOMETRIES = {"v4.1": (5120, 2304), "v4-flash": (4096, 2048), "small": (2048, 768)}
@@ -86,7 +86,7 @@ def interleaved(a, b, rounds, steps):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--threads", type=int, nargs="+", default=list(range(1, physical_cores() + 1)))
+    ap.add_argument("--threads", type=int, nargs="+", default=list(range(1, usable_cores() + 1)))
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--quick", action="store_true", help="fewer steps and rounds, V4.1 geometry only")
     ap.add_argument("--json", action="store_true")

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from autotune.host import physical_cores  # noqa: E402
-from autotune.measure import measure  # noqa: E402
-from autotune.probes.dram import dram_stream_read  # noqa: E402
+from hostinfo import usable_cores  # noqa: E402
+from hostinfo.measure import measure  # noqa: E402
+from kernels.stream import dram_stream_read  # noqa: E402
 from kernels.cpu_moe import Fp4Bank, expert_ffn  # noqa: E402
 from runtime.checkpoint.reader import Checkpoint  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
@@ -42,7 +42,7 @@ def main(argv=None):
     ap.add_argument("--checkpoint", default="out/mini")
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=24)
-    ap.add_argument("--threads", type=int, default=physical_cores())
+    ap.add_argument("--threads", type=int, default=usable_cores())
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if not (Path(args.checkpoint) / "model.safetensors.index.json").exists():

@@ -21,9 +21,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from autotune.host import physical_cores  # noqa: E402
+from hostinfo import usable_cores  # noqa: E402
 from autotune.probes import nvme  # noqa: E402
-from autotune.probes.dram import dram_stream_read, stream_buffer_bytes  # noqa: E402
+from kernels.stream import dram_stream_read, stream_buffer_bytes  # noqa: E402
 
 
 def fio(path, engine, depth, seconds):
@@ -60,7 +60,7 @@ def main(argv=None):
     finally:
         if scratch:
             path.unlink(missing_ok=True)
-    nbytes, threads = stream_buffer_bytes(), physical_cores()
+    (nbytes, _), threads = stream_buffer_bytes(), usable_cores()
     dram = None
     with tempfile.TemporaryDirectory() as tmp:
         exe = Path(tmp) / "stream_read"

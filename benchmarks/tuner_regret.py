@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from autotune.host import physical_cores  # noqa: E402
+from hostinfo import usable_cores  # noqa: E402
 from runtime.checkpoint.reader import Checkpoint  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
 from runtime.plan import Plan  # noqa: E402
@@ -35,7 +35,7 @@ from runtime.workload import Workload, make_prompt  # noqa: E402
 
 
 def grid(n: int, seed: int, geometry_hash: str) -> list[Plan]:
-    cores = physical_cores()
+    cores = usable_cores()
     axes = {"cpu_threads": sorted({1, cores}), "prefill_chunk": [128, 512], "prefill_mode": ["full", "bounded_replay"],
             "engram": [("host", 8, 0), ("nvme_direct", 1, 0), ("nvme_direct", 16, 0), ("nvme_direct", 16, 64)],
             "dspark": [(False, 2), (True, 2)]}

@@ -23,10 +23,12 @@ import torch
 from numba import njit, prange, types
 from numba.extending import overload
 
+from hostinfo import isa
 from kernels.formats import dequantize_mxfp4
-from kernels.fp4_simd import E2M1, fp4_dequant, fp4_dot, host_isa
+from kernels.fp4_simd import E2M1, fp4_dequant, fp4_dot
+from kernels.threads import set_threads
 
-ISA = host_isa()
+ISA = isa()                  # the host's widest path, or $DSV41_CPU_ISA (hostinfo)
 LANES = {"avx512": 16, "avx2": 8, "scalar": 0}[ISA]   # a compile-time constant in the kernels below
 # Compiled code is cached on disk for the host ISA only; a forced ISA (tests) compiles in memory, so the
 # cache never holds code for an ISA other than the one numba's cache key (CPU name + features) names.
@@ -299,8 +301,7 @@ def expert_ffn(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, bank: Fp4Bank, t
     T, H = x.shape
     if H != bank.hidden or ids.shape != wts.shape or ids.shape[0] != T:
         raise ValueError(f"expert_ffn: x {x.shape}, ids {ids.shape}, wts {wts.shape} do not fit a bank of hidden {bank.hidden}")
-    if threads:
-        numba.set_num_threads(threads)
+    set_threads(threads)
     y = np.zeros((T, H), np.float32) if out is None else out
     experts, counts, tok, kk = _plan_slots(ids, bank.n_experts)
     if len(experts) == 0:
@@ -352,8 +353,7 @@ def dequant_experts(codes, scales, experts) -> np.ndarray:
 def expert_ffn_dense(x, ids, wts, bank: Fp4Bank, threads: int | None = None, dtype=torch.bfloat16):
     """Prefill path: per expert, dequantize its tile (fp4 -> f32 -> `dtype`) and use torch matmul.
     Compute-bound at prefill widths; numerics differ from expert_ffn only by `dtype` rounding."""
-    if threads:
-        numba.set_num_threads(threads)
+    if set_threads(threads):
         torch.set_num_threads(threads)
     x = torch.as_tensor(np.ascontiguousarray(x, dtype=np.float32))
     ids, wts_t = np.asarray(ids), torch.as_tensor(np.asarray(wts, dtype=np.float32))

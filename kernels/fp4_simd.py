@@ -21,8 +21,6 @@ prefill widths reuse the decode). `fp4_dequant(lanes, ...)` writes a decoded flo
 """
 from __future__ import annotations
 
-import os
-
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -32,20 +30,6 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 PREFETCH = 2048
 
 f32, i8, i32, i64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
-
-
-def host_isa() -> str:
-    """'avx512' | 'avx2' | 'scalar'; DSV41_CPU_ISA overrides (to test a narrower path here)."""
-    forced = os.environ.get("DSV41_CPU_ISA")
-    if forced:
-        return forced
-    import llvmlite.binding as llvm
-    feats = llvm.get_host_cpu_features()
-    if feats.get("avx512f") and feats.get("avx512bw"):
-        return "avx512"
-    if feats.get("avx2") and feats.get("fma"):
-        return "avx2"
-    return "scalar"
 
 
 def _splat(builder, val, n):

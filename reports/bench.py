@@ -119,7 +119,7 @@ def _tokenizer(url, path):
 
 
 def bench(args) -> list[dict]:
-    from autotune.fingerprint import _commit
+    from hostinfo.fingerprint import commit
     from runtime.workload import make_prompt
     url = args.url.rstrip("/")
     try:
@@ -146,7 +146,7 @@ def bench(args) -> list[dict]:
             rows.append({
                 "schema": SCHEMA, "kind": "bench", "phase": phase, "label": args.label, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 "url": url, "model": model, "host": info.get("host"), "profile": info.get("profile"), "plan": info.get("plan"),
-                "server_commit": info.get("commit"), "client_commit": _commit(),
+                "server_commit": info.get("commit"), "client_commit": commit(),
                 "config": {"requests": len(js), "concurrency": conc, "rate": rate, "prompt_tokens": args.prompt_tokens,
                            "output_tokens": args.output_tokens, "spread": args.spread, "seed": seed},
                 "results": summarize(results, wall),

@@ -32,8 +32,7 @@ def fold(df: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
 
 def fronts(named, model: str, trials: int) -> tuple[pd.DataFrame, dict]:
     """The cost model's tok/s-vs-TTFT front per host for one model -> (front rows, {host: why none})."""
-    from autotune.cli import _why_none
-    from autotune.search import pareto, search
+    from autotune.search import pareto, search, why_none
     from runtime.checkpoint.footprint import Footprint
     from runtime.config import load_config
     from runtime.workload import Workload
@@ -42,7 +41,7 @@ def fronts(named, model: str, trials: int) -> tuple[pd.DataFrame, dict]:
     for name, prof in named:
         study, results = search(prof, fp, Workload(), n_trials=trials, storage=None)
         if not results:
-            none[name] = _why_none(study)
+            none[name] = why_none(study)
         rows += [{"host": name, "decode_tok_s": r.decode_tok_s, "ttft_s": r.ttft_s, "moe_strategy": p.moe_strategy,
                   "slots": p.slot_cache_experts, "engram": p.engram_placement, "dspark": p.dspark}
                  for p, r in pareto(results)]

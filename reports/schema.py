@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from autotune.profile import figure, load_profile
+from runtime.profile import figure, io_path, load_profile
 
 PLAN_COLS = ("moe_strategy", "slot_cache_experts", "prefill_chunk", "engram_placement", "engram_io_depth", "dspark",
              "draft_length", "cpu_threads")
@@ -39,6 +39,7 @@ def host_record(p: dict, name: str | None = None) -> dict:
         for k, v in c.items():
             if isinstance(v, dict) and "median" in v:
                 r[f"contended_{c['pair']}_{k}"] = v["median"]
+    r["nvme_io_path"] = io_path(p)
     nv = m.get("nvme_randread_4k")
     for e in nv if isinstance(nv, list) else []:
         r[f"nvme_iops_qd{e['qd']}"] = e["iops"]

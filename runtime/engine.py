@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from hostinfo import cuda_available
 from runtime.budget import check_plan, check_request
 from runtime.checkpoint.reader import Checkpoint
 from runtime.engram_store import EngramStore
@@ -91,7 +92,7 @@ class Engine:
             check_plan(self.plan, self.ck.footprint())
         dtype = torch.float64 if reference else torch.float32
         # dense weights and attention on the device (CUDA when present, else the CPU)
-        self.device = "cpu" if reference else (device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = "cpu" if reference else (device or ("cuda" if cuda_available() else "cpu"))
         t0 = time.perf_counter()
         dense = load_dense(self.ck, dtype, self.device)
         self.experts = ReferenceExperts(self.ck) if reference else PlacedExperts(self.ck, self.plan, device=self.device)
@@ -102,6 +103,11 @@ class Engine:
         engram = self.engram
         self.model = Model(self.cfg, dense, self.experts, engram, load_cmap(self.ck), dtype, self.device)
         self.load_s = time.perf_counter() - t0
+
+    def io_paths(self) -> dict:
+        """How each NVMe tier reads here: 'o_direct', or 'buffered (why O_DIRECT was refused)'."""
+        readers = {"experts": getattr(self.experts, "reader", None), "engram": getattr(self.engram, "reader", None)}
+        return {k: r.path + (f" ({r.fallback_reason})" if r.fallback_reason else "") for k, r in readers.items() if r is not None}
 
     def generate(self, prompt: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0,
                  keep_logits: bool = False, stop_ids=()) -> Result:

@@ -17,12 +17,14 @@ Timing per phase: cpu_moe, gather, device_moe, nvme_read (seconds), and the per-
 from __future__ import annotations
 
 import time
+import warnings
 from collections import OrderedDict, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
+from hostinfo import clamp_threads
 from kernels.cpu_moe import Fp4Bank, expert_ffn
 from runtime.checkpoint.reader import Checkpoint
 from runtime.io_reader import BatchedReader
@@ -166,7 +168,9 @@ class PlacedExperts:
     def __init__(self, ck: Checkpoint, plan: Plan, reader: BatchedReader | None = None, device: str = "cpu"):
         cfg = ck.config
         self.ck, self.cfg, self.plan = ck, cfg, plan
-        self.threads = plan.cpu_threads or None
+        self.threads, why = clamp_threads(plan.cpu_threads)      # 0: every usable core; never more than usable
+        if why:
+            warnings.warn(f"plan: {why}", RuntimeWarning, stacklevel=2)
         L, E, eb = cfg.num_hidden_layers, cfg.n_routed_experts, cfg.expert_bytes
         total = L * E if plan.host_expert_budget_gib is None else min(L * E, int(plan.host_expert_budget_gib * (1 << 30) // eb))
         per_layer = [total // L + (1 if i < total % L else 0) for i in range(L)]
@@ -278,27 +282,38 @@ class PlacedExperts:
         if to_cpu:
             fut = self.pool.submit(self._cpu_part, layer, x, ids_np, w_np, to_cpu)
         dev_keys = hits + to_dev
-        if dev_keys:
+        if dev_keys and not self.cache.n:          # offload with no cache: transient staging banks
             t0 = time.perf_counter()
-            if to_dev and self.cache.n:
-                for bank, group, rows in self._groups(layer, to_dev):
-                    for e, r in zip(group, rows):
-                        self.cache.put((layer, e), bank, r)
-            slots = [self.cache.lookup((layer, e)) for e in dev_keys] if self.cache.n else None
-            self.seconds["gather"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            if slots is None:                      # offload with no cache: transient staging banks
-                for bank, group, rows in self._groups(layer, dev_keys):
-                    job = self._subset(x, ids_np, w_np, group, rows, bank)
-                    y += expert_ffn(x, job[1], job[2], job[0], threads=self.threads)
-            else:
-                _, sub_ids, sub_w = self._subset(x, ids_np, w_np, dev_keys, slots, None)
-                y += self.cache.mem.compute(x, sub_ids, sub_w)
+            for bank, group, rows in self._groups(layer, dev_keys):
+                job = self._subset(x, ids_np, w_np, group, rows, bank)
+                y += expert_ffn(x, job[1], job[2], job[0], threads=self.threads)
             self.seconds["device_moe"] += time.perf_counter() - t0
+        # a call may need more distinct experts than there are slots (a wide prefill chunk, a long verify
+        # batch): the device runs them in rounds of at most `n`, each round resident before it computes
+        for r0 in range(0, len(dev_keys) if self.cache.n else 0, max(self.cache.n, 1)):
+            y += self._device_round(layer, x, ids_np, w_np, dev_keys[r0:r0 + self.cache.n])
         if fut is not None:
             y += fut.result()
         self.seconds["moe_layer_total"] += time.perf_counter() - t_layer
         return torch.from_numpy(y).to(device=m.device, dtype=m.dtype)
+
+    def _device_round(self, layer, x, ids_np, w_np, keys):
+        """Make `keys` (<= slots) resident, touching the resident ones first so no put evicts them; then
+        compute them on the device. -> [T, H]"""
+        t0 = time.perf_counter()
+        for e in keys:
+            self.cache.lookup((layer, e))
+        todo = [e for e in keys if (layer, e) not in self.cache.where]
+        for bank, group, rows in self._groups(layer, todo):
+            for e, r in zip(group, rows):
+                self.cache.put((layer, e), bank, r)
+        slots = [self.cache.where[(layer, e)] for e in keys]
+        self.seconds["gather"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        _, sub_ids, sub_w = self._subset(x, ids_np, w_np, keys, slots, None)
+        y = self.cache.mem.compute(x, sub_ids, sub_w)
+        self.seconds["device_moe"] += time.perf_counter() - t0
+        return y
 
     def shared(self, layer, m):
         x = m.detach().to(torch.float32).cpu().numpy()

@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from numba import njit
 
+from hostinfo import o_direct_refusal
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _pread = _libc.pread
 _pread.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64)
@@ -65,11 +67,12 @@ class BatchedReader:
             fd = self._fds.get(path)
             if fd is None:
                 flags = os.O_RDONLY
-                if self.want_direct and hasattr(os, "O_DIRECT"):
-                    try:
+                if self.want_direct:
+                    why = o_direct_refusal(path)           # e.g. tmpfs: EINVAL; or $DSV41_O_DIRECT=0
+                    if why:
+                        self.path, self.fallback_reason = "buffered", why
+                    else:
                         fd = os.open(path, flags | os.O_DIRECT)
-                    except OSError as e:       # e.g. tmpfs: EINVAL
-                        self.path, self.fallback_reason = "buffered", f"O_DIRECT refused on {os.path.basename(path)}: {e.strerror}"
                 if fd is None:
                     fd = os.open(path, flags)
                 self._fds[path] = fd

@@ -29,7 +29,7 @@ for plan in '{"moe_strategy": "cpu", "prefill_chunk": 16}' \
 done
 "$PY" benchmarks/gpu_kernels.py > "$OUT/gpu_kernels.json" 2>&1 || echo "gpu_kernels failed"
 "$PY" -c "
-import json; from autotune.probes.dram import dram_stream_read; import os
+import json; from kernels.stream import dram_stream_read; import os
 m = dram_stream_read(os.cpu_count() or 1, repeats=3)
 print(json.dumps({'dram_stream_read_gbs': m.to_dict()}))" > "$OUT/probes.json" 2>&1 || echo "probes failed"
 tail -3 "$OUT/pytest.log"

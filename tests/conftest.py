@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from autotune.cli import main as tune_main
-from autotune.fingerprint import fingerprint
+from hostinfo.fingerprint import fingerprint
 from runtime.checkpoint.reader import Checkpoint
 from runtime.checkpoint.synth import make_checkpoint
 from runtime.config import ModelConfig

@@ -1,32 +1,65 @@
 """CPU-MoE probe: the project's kernel at a given expert geometry, batch widths and thread counts.
 
-Fresh experts every step from a random bank >= 4x the LLC; GB/s = distinct expert bytes / time;
-GFLOP/s = 2 * 3 * H * I * tokens / time. Each figure keeps its raw samples.
+Fresh experts every step from a random bank of at least 4x the *total* last-level cache (every domain)
+and never fewer than 2 * top_k + 8 experts (a verify batch draws from 2 * top_k), within the probe
+memory budget (hostinfo); when the budget keeps the bank inside 4x the LLC the figure says so.
+GB/s = distinct expert bytes / time; GFLOP/s = 2 * 3 * H * I * tokens * top_k / time. Each figure keeps
+its raw samples.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from autotune.host import llc_bytes
-from autotune.measure import Measurement, measure
+from hostinfo import llc_bytes, probe_budget_bytes
+from hostinfo.measure import Measurement, measure
 from kernels.cpu_moe import Fp4Bank, expert_ffn
 
-GEOMETRIES = {"deepseek-v4.1-flash": (5120, 2304), "deepseek-v4-flash": (4096, 2048)}
+# name -> (hidden, expert intermediate, top_k): the served geometries every profile carries
+GEOMETRIES = {"deepseek-v4.1-flash": (5120, 2304, 6), "deepseek-v4-flash": (4096, 2048, 6)}
 
 
-def random_bank(H: int, I: int, seed: int = 0, min_bytes: int | None = None) -> Fp4Bank:
-    expert = 3 * H * I * 17 // 32
-    n = max(8, int(np.ceil((min_bytes or 4 * llc_bytes()) / expert)))
-    return Fp4Bank.random(n, H, I, seed=seed)
+class ProbeTooLarge(ValueError):
+    """Even the smallest meaningful bank does not fit the probe memory budget."""
 
 
-def cpu_moe(bank: Fp4Bank, tokens: int, threads: int, top_k: int = 6, repeats: int = 10) -> Measurement:
+def expert_bytes(H: int, I: int) -> int:
+    return 3 * H * I * 17 // 32                    # ds_fp4: 1/2 B per weight + 1/32 B of scale
+
+
+def bank_size(H: int, I: int, top_k: int, budget: int | None = None) -> tuple[int, str]:
+    """-> (experts, note) for a probe bank at this geometry: 4x the total LLC, at least 2 * top_k + 8,
+    at most the budget (note says when that keeps it under 4x the LLC)."""
+    eb, llc = expert_bytes(H, I), llc_bytes()
+    budget = probe_budget_bytes() if budget is None else budget
+    floor = 2 * top_k + 8
+    n = max(floor, math.ceil(4 * llc / eb))
+    cap = budget // eb
+    if cap < floor:
+        raise ProbeTooLarge(f"a {H}x{I} probe bank needs {floor} experts ({floor * eb / 2**20:.0f} MiB), over the probe "
+                            f"memory budget of {budget / 2**20:.0f} MiB")
+    if n <= cap:
+        return n, ""
+    return cap, (f"bank {cap} experts ({cap * eb / 2**20:.0f} MiB): the probe memory budget ({budget / 2**20:.0f} MiB) keeps it "
+                 f"under 4x the total last-level cache ({llc / 2**20:.0f} MiB)"
+                 + (", inside the cache: a cache figure, not DRAM" if cap * eb <= llc else ", so part of it is cache"))
+
+
+def random_bank(H: int, I: int, top_k: int, seed: int = 0, budget: int | None = None) -> tuple[Fp4Bank, str]:
+    n, note = bank_size(H, I, top_k, budget)
+    return Fp4Bank.random(n, H, I, seed=seed), note
+
+
+def cpu_moe(bank: Fp4Bank, tokens: int, threads: int, top_k: int, repeats: int = 10, note: str = "") -> Measurement:
     """tokens == 1: decode (top_k fresh experts); 2..8: a verify batch whose experts overlap (drawn
     from 2*top_k); > 8: a prefill width (all tokens on one expert per step)."""
     H, E = bank.hidden, bank.n_experts
+    if E < 2 * top_k + 8:
+        raise ValueError(f"a probe bank needs >= 2 * top_k + 8 = {2 * top_k + 8} experts, this one has {E}")
     rng = np.random.default_rng(tokens * 7 + threads)
     x = rng.standard_normal((tokens, H)).astype(np.float32)
-    state = {"i": 0, "bytes": 0}
+    state = {"i": 0}
 
     def ids_at(i):
         if tokens == 1:
@@ -45,8 +78,8 @@ def cpu_moe(bank: Fp4Bank, tokens: int, threads: int, top_k: int = 6, repeats: i
         expert_ffn(x, ids, np.ones(ids.shape, np.float32), bank, threads=threads)
     m = measure(step, repeats=repeats, warmup=2)
     nbytes = float(np.mean(sizes))
-    k = ids_at(0).shape[1]
+    k = plans[0].shape[1]
     flop = 2 * 3 * H * bank.inter * tokens * k
-    g = m.map(lambda s: nbytes / s / 1e9, "GB/s")
-    g.extra.update(gflops=flop / m.median / 1e9)
+    g = Measurement(m.map(lambda s: nbytes / s / 1e9, "GB/s").samples, "GB/s", note=note,
+                    extra={"gflops": flop / m.median / 1e9, "bank_experts": E, "top_k": top_k})
     return g

@@ -5,53 +5,80 @@
     and a prefill batch of thousands of rows deduplicated into blocks
   sequential reads of expert-sized blocks (GB/s), for experts beyond host RAM
   the reader's software ceiling: rows/s from a page-cached file, where the device is not the limit
-The probe file is the one the Engram tables live on when it is >= 1 GiB, else a scratch file of
-1 GiB on the same filesystem (made once, removed after).
+The probe file is the one the Engram tables live on when it is >= 1 GiB, else a 1 GiB scratch file in
+a temporary directory beside the checkpoint (removed after). Where the filesystem refuses O_DIRECT
+(tmpfs, some network filesystems) the reader falls back to buffered reads: every figure records it.
 """
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from autotune.measure import Measurement
+from hostinfo.measure import Measurement
 from runtime.io_reader import BLOCK, BatchedReader
 
 MIN_FILE = 1 << 30
 DEPTHS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def probe_file(preferred: Path | None, directory: Path) -> tuple[Path, bool]:
-    """-> (path, is_scratch)."""
+def probe_file(preferred: Path | None, checkpoint_dir: Path) -> tuple[Path, str]:
+    """-> (path, '' or where the scratch file is). The Engram shard when it is >= 1 GiB; else a 1 GiB
+    scratch file in a fresh temporary directory beside the checkpoint (its filesystem, never inside
+    it: the checkpoint may be read-only or shared), or in the system temporary directory when that
+    parent is not writable (said: then it may be another filesystem)."""
     if preferred is not None and preferred.exists() and preferred.stat().st_size >= MIN_FILE:
-        return preferred, False
-    path = directory / ".dsv41-nvme-probe.bin"
-    if not path.exists() or path.stat().st_size < MIN_FILE:
-        chunk = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes()
+        return preferred, ""
+    try:
+        d, where = Path(tempfile.mkdtemp(prefix=".dsv41-probe-", dir=Path(checkpoint_dir).resolve().parent)), "beside the checkpoint"
+    except OSError:
+        d, where = Path(tempfile.mkdtemp(prefix="dsv41-probe-")), "system temporary directory (checkpoint's parent not writable)"
+    path = d / "nvme-probe.bin"
+    chunk = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes()
+    try:
         with open(path, "wb") as f:
             for _ in range(MIN_FILE // len(chunk)):
                 f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
-    return path, True
+    except OSError:
+        remove_scratch(path)
+        raise
+    return path, where
 
 
-def randread_4k(path: Path, depth: int, n_reads: int, seed: int = 0, direct: bool = True) -> dict:
+def remove_scratch(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    try:
+        path.parent.rmdir()
+    except OSError:
+        pass
+
+
+def randread_4k(path: Path, depth: int, n_reads: int, seed: int = 0, direct: bool = True, repeats: int = 3) -> dict:
+    """`repeats` timed batches of n_reads / repeats random 4 KiB reads at `depth` after a warm-up batch:
+    IOPS per batch (raw samples, median, min, max), p50/p95 per-read latency over all of them."""
     size = path.stat().st_size
-    offs = np.random.default_rng(seed + depth).integers(0, size // BLOCK, n_reads) * BLOCK
+    per = max(1, n_reads // repeats)
+    offs = np.random.default_rng(seed + depth).integers(0, size // BLOCK, per * repeats + min(64, per)) * BLOCK
     r = BatchedReader(depth=depth, direct=direct)
     lat: list = []
+    iops = []
     try:
-        r.read([(str(path), int(o), BLOCK) for o in offs[: min(64, n_reads)]])   # warm-up (opens, threads)
-        t0 = time.perf_counter()
-        r.read([(str(path), int(o), BLOCK) for o in offs], latencies=lat)
-        dt = time.perf_counter() - t0
+        r.read([(str(path), int(o), BLOCK) for o in offs[per * repeats:]])   # warm-up (opens, threads)
+        for k in range(repeats):
+            batch = [(str(path), int(o), BLOCK) for o in offs[k * per:(k + 1) * per]]
+            t0 = time.perf_counter()
+            r.read(batch, latencies=lat)
+            iops.append(per / (time.perf_counter() - t0))
     finally:
         r.close()
     us = np.array(lat) * 1e6
-    return {"qd": depth, "iops": n_reads / dt, "p50_us": float(np.percentile(us, 50)), "p95_us": float(np.percentile(us, 95)),
+    return {"qd": depth, "iops": float(np.median(iops)), "min": float(min(iops)), "max": float(max(iops)), "samples": iops,
+            "p50_us": float(np.percentile(us, 50)), "p95_us": float(np.percentile(us, 95)),
             "io_path": r.path, "fallback": r.fallback_reason}
 
 

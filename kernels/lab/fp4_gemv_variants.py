@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from autotune.host import llc_bytes
-from autotune.measure import measure
-from autotune.probes.dram import dram_stream_read
+from hostinfo import llc_bytes
+from hostinfo.measure import measure
+from kernels.stream import dram_stream_read
 from kernels.cpu_moe import E2M1_F32, LANES, STAB
 from kernels.formats import dequantize_mxfp4
 from kernels.fp4_simd import fp4_dot

@@ -33,8 +33,8 @@ def resolve_checkpoint(args, profile: dict) -> Path:
 
 def preflight(args, warn=lambda m: print(f"dsv41-serve: warning: {m}", file=sys.stderr)):
     """-> (checkpoint, plan, profile, this host's fingerprint); raises before anything is loaded."""
-    from autotune.fingerprint import compare, fingerprint
-    from autotune.profile import load_profile
+    from hostinfo.fingerprint import compare, fingerprint
+    from runtime.profile import load_profile
     from runtime.budget import check_plan
     from runtime.checkpoint.reader import Checkpoint
     profile = load_profile(args.profile)
@@ -66,6 +66,7 @@ def cmd_serve(args) -> int:
     from tokenizers import Tokenizer
 
     from runtime.engine import Engine
+    from runtime.profile import io_path
     from runtime.serve.app import create_app
     from runtime.serve.chat import ChatTemplate
     template = ChatTemplate(args.chat_template)
@@ -74,7 +75,7 @@ def cmd_serve(args) -> int:
     engine.generate(tokenizer.encode("warm up").ids, 2)            # compile the kernels before the first client
     name = args.served_model_name or ck.config.name
     info = {"profile": profile["host"].get("name"), "host": here, "commit": here["soft"]["commit"],
-            "geometry_hash": ck.footprint().geometry_hash}
+            "geometry_hash": ck.footprint().geometry_hash, "profile_nvme_io_path": io_path(profile)}
     app = create_app(engine, tokenizer, template, name, info, max_queue=args.max_queue)
     print(f"dsv41-serve: {name} at http://{args.host}:{args.port}/v1 (plan: {plan.moe_strategy}, "
           f"{plan.slot_cache_experts} slots, Engram {plan.engram_placement}, DSpark {'d=%d' % plan.draft_length if plan.dspark else 'off'})",

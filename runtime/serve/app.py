@@ -272,7 +272,8 @@ def create_app(engine, tokenizer, template, model_id: str, info: dict, max_queue
 
     @app.get("/dsv41/info")
     async def about():
-        return {**info, "model": model_id, "plan": plan.to_dict(), "chat_template": template.name}
+        return {**info, "model": model_id, "plan": plan.to_dict(), "chat_template": template.name,
+                "nvme_io_paths": engine.io_paths()}
 
     @app.get("/dsv41/tokenizer.json")
     async def tokenizer_json():

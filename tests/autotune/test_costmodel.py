@@ -6,7 +6,7 @@ import pytest
 
 from autotune.cli import main as tune_main
 from autotune.costmodel import INDEXER_B_PER_SCORE, predict
-from autotune.profile import ProfileError, assumed_keys, load_profile, save_profile
+from runtime.profile import ProfileError, assumed_keys, load_profile, save_profile
 from autotune.search import search
 from runtime.checkpoint.footprint import Footprint
 from runtime.config import ModelConfig

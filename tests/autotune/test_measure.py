@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from autotune.host import llc_bytes
-from autotune.measure import Measurement, measure
-from autotune.probes.dram import BufferTooSmall, dram_stream_read
+from hostinfo import llc_bytes
+from hostinfo.measure import Measurement, measure
+from kernels.stream import BufferTooSmall, dram_stream_read
 
 
 def test_statistics_on_known_samples():

@@ -6,8 +6,8 @@ import os
 import pytest
 
 from autotune.cli import main as tune_main
-from autotune.fingerprint import compare, fingerprint
-from autotune.profile import HARD_FIELDS, load_profile
+from hostinfo.fingerprint import compare, fingerprint
+from runtime.profile import HARD_FIELDS, load_profile
 from runtime.io_reader import BatchedReader
 
 
@@ -34,7 +34,8 @@ def test_quick_profile_is_complete_and_valid(quick_profile, tiny_dir):
     assert m["moe_dispatch_fixed_us"]["median"] > 0
     d = m["dense_path_gbs"]                              # the runtime's own dense path, CPU host
     assert "skipped" in d or (d["median"] > 0 and len(d["samples"]) >= 3 and d["geometry"])
-    assert not (tiny_dir / ".dsv41-nvme-probe.bin").exists()                   # the scratch file is removed
+    assert not list(tiny_dir.parent.glob(".dsv41-probe-*")) and not list(tiny_dir.glob("*probe*"))   # scratch removed
+    assert all(len(e["samples"]) >= 3 and e["min"] <= e["iops"] <= e["max"] for e in m["nvme_randread_4k"])
     assert all(k in p["host"]["hard"] for k in HARD_FIELDS)
 
 

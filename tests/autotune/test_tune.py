@@ -5,7 +5,7 @@ import json
 import pytest
 
 from autotune.costmodel import predict
-from autotune.profile import load_profile
+from runtime.profile import load_profile
 from autotune.search import search
 from autotune.tune import _fresh
 from autotune.validate import calibration, pick

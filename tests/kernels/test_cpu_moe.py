@@ -110,8 +110,8 @@ print(err, np.array_equal(d, dr))
 
 
 def _runnable_isas():
-    from kernels.fp4_simd import host_isa
-    host = host_isa()
+    from hostinfo import isa
+    host = isa()
     return {"avx512": ["avx512", "avx2", "scalar"], "avx2": ["avx2", "scalar"]}.get(host, ["scalar"])
 
 

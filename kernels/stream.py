@@ -1,20 +1,21 @@
 """DRAM stream read: the figure every CPU-side ratio is held against.
 
-A numba parallel reduction (4 sub-streams per thread) over a float32 buffer of at least 4x the last-level cache and 2 GiB
-(capped at a quarter of available memory), one contiguous share per thread; the buffer is
-touched first (no page faults in the timed runs). GB/s = buffer bytes / time.
+A numba parallel reduction (4 sub-streams per thread) over a float32 buffer of at least 4x the total
+last-level cache (every domain) and 2 GiB, within the probe memory budget (hostinfo), one contiguous
+share per thread; the buffer is touched first (no page faults in the timed runs). GB/s = buffer
+bytes / time.
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from autotune.host import available_bytes, llc_bytes
-from autotune.measure import Measurement, measure
+from hostinfo import llc_bytes, probe_budget_bytes
+from hostinfo.measure import Measurement, measure
+from kernels.threads import set_threads
 
 
 class BufferTooSmall(ValueError):
@@ -60,20 +61,30 @@ def _sum_streams(a, nthreads):
     return part.sum()
 
 
-def stream_buffer_bytes(min_bytes: int = 2 << 30) -> int:
-    want = max(4 * llc_bytes(), min_bytes)
-    return int(min(want, available_bytes() // 4)) // 4096 * 4096
+def stream_buffer_bytes(min_bytes: int = 2 << 30) -> tuple[int, str]:
+    """-> (bytes, note): 4x the total LLC and at least `min_bytes`, within the probe memory budget; the
+    note says when the budget kept the buffer under 4x the LLC (then part of it is a cache figure)."""
+    llc, cap = llc_bytes(), probe_budget_bytes()
+    n = int(min(max(4 * llc, min_bytes), cap)) // 4096 * 4096
+    if n >= 4 * llc:
+        return n, ""
+    return n, (f"buffer {n / 2**20:.0f} MiB: the probe memory budget ({cap / 2**20:.0f} MiB) keeps it under 4x the "
+               f"total last-level cache ({llc / 2**20:.0f} MiB), so part of the figure is cache")
 
 
 def dram_stream_read(threads: int, nbytes: int | None = None, repeats: int = 7) -> Measurement:
-    nbytes = nbytes or stream_buffer_bytes()
-    if nbytes < 4 * llc_bytes():
+    """GB/s read by `threads`; an explicit `nbytes` under 4x the LLC is refused (it would measure the cache)."""
+    note = ""
+    if nbytes is None:
+        nbytes, note = stream_buffer_bytes()
+    elif nbytes < 4 * llc_bytes():
         raise BufferTooSmall(f"a {nbytes / 2**20:.0f} MiB buffer is under 4x the last-level cache "
                              f"({llc_bytes() / 2**20:.0f} MiB): the probe would measure the cache, not DRAM")
     a = np.ones(nbytes // 4, np.float32)
-    numba.set_num_threads(threads)
+    set_threads(threads)
     m = measure(lambda: _sum_streams(a, threads), repeats=repeats, warmup=1)
-    return m.map(lambda s: nbytes / s / 1e9, "GB/s")
+    return Measurement(m.map(lambda s: nbytes / s / 1e9, "GB/s").samples, "GB/s", note=note,
+                       extra={"buffer_bytes": nbytes})
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -84,11 +95,15 @@ def _copy(dst, src, nthreads):
 
 
 def dram_copy(threads: int, nbytes: int | None = None, repeats: int = 5) -> Measurement:
-    """memcpy-style copy of a buffer >= 4x LLC; GB/s counts bytes copied (read + write = 2x that)."""
-    nbytes = (nbytes or stream_buffer_bytes()) // 2
-    if nbytes < 2 * llc_bytes():
-        raise BufferTooSmall(f"a {nbytes / 2**20:.0f} MiB copy is too small against the {llc_bytes() / 2**20:.0f} MiB last-level cache")
+    """memcpy-style copy (source + destination = the stream buffer); GB/s counts bytes copied (read +
+    write = 2x that). An explicit buffer under 2x the LLC per side is refused."""
+    note = ""
+    if nbytes is None:
+        nbytes, note = stream_buffer_bytes()
+    elif nbytes // 2 < 2 * llc_bytes():
+        raise BufferTooSmall(f"a {nbytes / 2**21:.0f} MiB copy is too small against the {llc_bytes() / 2**20:.0f} MiB last-level cache")
+    nbytes //= 2
     src, dst = np.ones(nbytes // 4, np.float32), np.zeros(nbytes // 4, np.float32)
-    numba.set_num_threads(threads)
+    set_threads(threads)
     m = measure(lambda: _copy(dst, src, threads), repeats=repeats, warmup=1)
-    return m.map(lambda s: nbytes / s / 1e9, "GB/s")
+    return Measurement(m.map(lambda s: nbytes / s / 1e9, "GB/s").samples, "GB/s", note=note, extra={"buffer_bytes": 2 * nbytes})

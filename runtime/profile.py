@@ -155,3 +155,12 @@ def cpu_moe_figure(profile: dict, geometry: str, tokens: int = 1, threads: int |
         gbs *= threads / best["threads"]
         notes.append(f"cpu_moe_gbs scaled from {best['threads']} measured threads to {threads}")
     return gbs, "; ".join(notes)
+
+
+def io_path(profile: dict) -> str:
+    """How the NVMe figures were read: 'o_direct', or 'buffered (why O_DIRECT was refused)'."""
+    pts = profile["measurements"].get("nvme_randread_4k")
+    if not isinstance(pts, list) or not pts:
+        return "-"
+    e = pts[0]
+    return e.get("io_path", "?") + (f" ({e['fallback']})" if e.get("fallback") else "")

@@ -1,0 +1,16 @@
+"""numba's thread pool, set in one place for every kernel."""
+from __future__ import annotations
+
+import numba
+
+
+def set_threads(threads: int | None) -> bool:
+    """numba's thread count for the next kernel call (None/0: leave it). More than numba may run is a
+    caller's bug (the runtime clamps plans with hostinfo.clamp_threads): said with both numbers."""
+    if not threads:
+        return False
+    if threads > numba.config.NUMBA_NUM_THREADS:
+        raise ValueError(f"threads = {threads}, but numba may run {numba.config.NUMBA_NUM_THREADS} in this process "
+                         f"(NUMBA_NUM_THREADS); clamp with hostinfo.clamp_threads")
+    numba.set_num_threads(threads)
+    return True
