@@ -60,7 +60,9 @@ def suggest_plan(trial: optuna.Trial, profile: dict, fp: Footprint, wl: Workload
         slot_cache_experts=trial.suggest_int("slot_cache_experts", 0, 4000 if gpu else 0, step=25 if gpu else 1),
         # 0 = every core; the rest leave cores to the OS / I/O threads or halve the CPU-MoE share
         cpu_threads=trial.suggest_categorical("cpu_threads_choice", sorted({0, max(1, cores - 2), max(1, cores // 2), 1})),
-        host_expert_budget_gib=trial.suggest_float("host_expert_budget_gib", 0.0, max(1.0, budget_hi)),
+        # all resident when RAM allows (the top of the range maps to None); else only budgets that fit
+        host_expert_budget_gib=trial.suggest_float("host_expert_budget_gib", 0.0,
+                                                   max(1.0, budget_hi) if budget_hi >= routed_gib else max(budget_hi, 1e-9)),
         prefill_chunk=trial.suggest_categorical("prefill_chunk", list(CHUNKS)),
         prefill_mode=trial.suggest_categorical("prefill_mode", ["full", "bounded_replay"] if allow_inexact else ["full"]),
         prefill_moe_path=trial.suggest_categorical("prefill_moe_path", ["cpu", "device"] if gpu else ["cpu"]),

@@ -39,14 +39,13 @@ def fit_together(ck, plans) -> bool:
     """Can every plan's engine stay loaded at once? Each needs its host banks, its dense weights in fp32
     (4 B per stored byte, drafter included) and, with an NVMe tier, transient buffers for one layer's
     experts read twice over; all within half of the available RAM."""
-    import psutil
-
+    from hostinfo import ram_available_bytes
     from runtime.budget import host_bytes
     fp = ck.footprint()
     dense = 4 * (fp.dense_bytes_per_token + fp.bytes_by_class["embeddings"] + fp.bytes_by_class["drafter"])
     layer = fp.routed_expert_bytes_total // max(fp.num_layers, 1)
     need = sum(host_bytes(p, fp) + dense + (2 * layer if p.host_expert_budget_gib is not None else 0) for p in plans)
-    return need < 0.5 * psutil.virtual_memory().available
+    return need < 0.5 * ram_available_bytes()
 
 
 def measure_plans(ck, plans: list[Plan], wl: Workload, prompt: list[int], rounds: int, progress=None) -> list[dict]:
@@ -106,8 +105,10 @@ def noise_floor(rows) -> float:
 def pick(rows, ttft_budget, floor):
     """By the rule (TTFT budget first, then decode tok/s). Plans whose measured decode is within the
     noise floor of the best are a tie, settled by the lower TTFT; a plan that loses beyond the floor
-    is never the pick. -> (winner row, runner-up row or None)."""
-    ranked = sorted(rows, key=lambda r: _objective(r, ttft_budget), reverse=True)
+    is never the pick; nor is a plan the model's memory accounting refuses on this host (a baseline
+    that keeps every expert in RAM the host does not have). -> (winner row, runner-up row or None)."""
+    fits = [r for r in rows if r.get("predicted", {}).get("feasible", True)]
+    ranked = sorted(fits or rows, key=lambda r: _objective(r, ttft_budget), reverse=True)
     lead = ranked[0]
     ties = [r for r in ranked if _objective(r, ttft_budget)[0] == _objective(lead, ttft_budget)[0]
             and r["decode_tok_s"] >= lead["decode_tok_s"] * (1 - floor)]

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from autotune.probes.cpu_moe import bank_size  # noqa: E402
 from hostinfo import llc_bytes, usable_cores  # noqa: E402
 from hostinfo.measure import Measurement, measure  # noqa: E402
 from kernels.stream import dram_stream_read  # noqa: E402
@@ -32,8 +33,10 @@ GEOMETRIES = {"v4.1": (5120, 2304), "v4-flash": (4096, 2048), "small": (2048, 76
 
 
 def bank_for(H, I, seed=0):
-    expert = 3 * H * I * 17 // 32
-    n = int(np.ceil(4.2 * llc_bytes() / expert))
+    """The profiler's sizing: >= 4x the total LLC, >= 2 * top_k + 8 experts, within the probe budget."""
+    n, note = bank_size(H, I, top_k=6)
+    if note:
+        print(f"note: {note}", flush=True)
     return Fp4Bank.random(n, H, I, seed=seed)
 
 

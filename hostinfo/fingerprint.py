@@ -62,7 +62,7 @@ def fingerprint(checkpoint_dir: Path, geometry_hash: str) -> dict:
     return {
         "name": platform.node() or "host",
         "hard": {"cpu_model": hf.cpu_model(), "isa": hf.cpu_flags() or [hf.arch()], "physical_cores": hf.usable_cores(),
-                 "numa_nodes": hf.numa_nodes(), "ram_gib": round(hf.ram_total_bytes() / 2**30, 1), "gpu_name": gpu,
+                 "numa_nodes": hf.numa_nodes(), "ram_gib": round(hf.ram_total_bytes() / 2**30, 4), "gpu_name": gpu,
                  "gpu_vram_gib": vram, "pcie_link": link, "llc_mib": round(hf.llc_bytes() / 2**20),
                  "llc_domains": len(hf.llc_domains()), "kernel_isa": hf.isa()},
         "soft": {"commit": commit(), "kernel": platform.release(),

@@ -3,8 +3,7 @@ plan's device bytes against its VRAM budget, the host bytes against this host's 
 Every refusal names the budget and the shortfall."""
 from __future__ import annotations
 
-import psutil
-
+from hostinfo import ram_available_bytes
 from runtime.checkpoint.footprint import Footprint
 from runtime.plan import Plan
 
@@ -44,7 +43,7 @@ def check_plan(plan: Plan, fp: Footprint, available: int | None = None) -> None:
         raise DoesNotFit(f"the plan needs {dev / GIB:.3f} GiB on the device, over its vram_budget_gib "
                          f"{plan.vram_budget_gib} by {(dev - plan.vram_budget_gib * GIB) / GIB:.3f} GiB")
     host = host_bytes(plan, fp)
-    available = psutil.virtual_memory().available if available is None else available
+    available = ram_available_bytes() if available is None else available
     if host > available:
         raise DoesNotFit(f"the plan keeps {host / GIB:.2f} GiB in host RAM, {available / GIB:.2f} GiB are available: "
                          f"short by {(host - available) / GIB:.2f} GiB (lower host_expert_budget_gib or move Engram to NVMe)")

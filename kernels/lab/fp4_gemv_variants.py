@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import argparse
 
-import numba
 import numpy as np
 import torch
 from numba import njit, prange
 
-from hostinfo import llc_bytes
+from hostinfo import llc_bytes, probe_budget_bytes, usable_cores
 from hostinfo.measure import measure
-from kernels.stream import dram_stream_read
 from kernels.cpu_moe import E2M1_F32, LANES, STAB
 from kernels.formats import dequantize_mxfp4
 from kernels.fp4_simd import fp4_dot
+from kernels.stream import dram_stream_read
+from kernels.threads import set_threads
 
 H = 5120
 CHUNK = 64
@@ -70,23 +70,30 @@ def v3(cf, sf, xd, out, row0, nrows, stab):
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=numba.config.NUMBA_NUM_THREADS)
+    ap.add_argument("--threads", type=int, default=usable_cores())
     ap.add_argument("--steps", type=int, default=16)
     args = ap.parse_args(argv)
-    numba.set_num_threads(args.threads)
-    rows = int(4.2 * llc_bytes() / (H * 17 / 32)) // 4608 * 4608
+    set_threads(args.threads)
+    row_bytes, n = H * 17 / 32, 4608                           # one expert's gate+up rows per step
+    # >= 4.2x the total LLC and >= 8 steps of fresh rows, within the probe memory budget
+    rows = max(int(4.2 * llc_bytes() / row_bytes), 8 * n)
+    rows = max(2 * n, min(rows, int(probe_budget_bytes() / row_bytes))) // n * n
     rng = np.random.default_rng(0)
     codes = np.frombuffer(bytearray(rng.bytes(rows * H // 2)), np.uint8).reshape(rows, H // 2)
     scales = (115 + rng.integers(-1, 2, (rows, H // 32))).astype(np.uint8)
     x = rng.standard_normal(H).astype(np.float32)
     xd = np.concatenate([x[0::2], x[1::2]])
-    n = 4608                                                   # one expert's gate+up rows per step
     ref = (dequantize_mxfp4(torch.from_numpy(codes[:n]), torch.from_numpy(scales[:n]), torch.float64) @ torch.from_numpy(x).double()).numpy()
     stream = dram_stream_read(args.threads)
     print(f"bank {rows * H * 17 / 32 / 1e9:.2f} GB, stream {stream.median:.2f} GB/s ({args.threads} threads, ISA lanes {LANES})")
-    for name, f, a in (("v0 plain loops", v0, (codes, scales, x)), ("v1 simd 1 row", v1, (codes.reshape(-1), scales.reshape(-1), xd)),
-                       ("v2 simd 4 rows", v2, (codes.reshape(-1), scales.reshape(-1), xd)),
-                       ("v3 simd 4 spaced rows", v3, (codes.reshape(-1), scales.reshape(-1), xd))):
+    variants = [("v0 plain loops", v0, (codes, scales, x))]
+    if LANES:                                                  # the SIMD variants need avx2 / avx512
+        variants += [("v1 simd 1 row", v1, (codes.reshape(-1), scales.reshape(-1), xd)),
+                     ("v2 simd 4 rows", v2, (codes.reshape(-1), scales.reshape(-1), xd)),
+                     ("v3 simd 4 spaced rows", v3, (codes.reshape(-1), scales.reshape(-1), xd))]
+    else:
+        print("scalar ISA: only v0 (the SIMD variants need avx2 or avx512)")
+    for name, f, a in variants:
         out = np.full(n, np.nan, np.float32)
         f(*a, out, 0, n, STAB)
         err = np.linalg.norm(out - ref) / np.linalg.norm(ref)

@@ -60,9 +60,9 @@ def preflight(args, warn=lambda m: print(f"dsv41-serve: warning: {m}", file=sys.
     return ck, plan, profile, here
 
 
-def cmd_serve(args) -> int:
+def build_app(args):
+    """preflight, load the engine, warm it, and build the ASGI app. -> (app, engine, plan, name)"""
     ck, plan, profile, here = preflight(args)
-    import uvicorn
     from tokenizers import Tokenizer
 
     from runtime.engine import Engine
@@ -76,7 +76,12 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or ck.config.name
     info = {"profile": profile["host"].get("name"), "host": here, "commit": here["soft"]["commit"],
             "geometry_hash": ck.footprint().geometry_hash, "profile_nvme_io_path": io_path(profile)}
-    app = create_app(engine, tokenizer, template, name, info, max_queue=args.max_queue)
+    return create_app(engine, tokenizer, template, name, info, max_queue=args.max_queue), engine, plan, name
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+    app, engine, plan, name = build_app(args)
     print(f"dsv41-serve: {name} at http://{args.host}:{args.port}/v1 (plan: {plan.moe_strategy}, "
           f"{plan.slot_cache_experts} slots, Engram {plan.engram_placement}, DSpark {'d=%d' % plan.draft_length if plan.dspark else 'off'})",
           file=sys.stderr, flush=True)

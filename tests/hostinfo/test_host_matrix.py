@@ -1,0 +1,142 @@
+"""The host matrix: `dsv41-tune --quick` end to end on tiny (profile -> search -> validation -> one
+served request) under host shapes unlike this one, each in its own process with hostinfo's overrides.
+A shape this machine cannot take (an ISA wider than its CPU, no tmpfs) is skipped with the reason."""
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autotune.costmodel import OS_HEADROOM
+from hostinfo import isa, o_direct_refusal
+from runtime.checkpoint.reader import Checkpoint
+
+CASE = Path(__file__).with_name("host_case.py")
+NATIVE = isa()
+WIDER = {"scalar": 0, "avx2": 1, "avx512": 2}
+
+
+def run_case(ck: Path, out: Path, env: dict) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    full = {k: v for k, v in os.environ.items() if not k.startswith("DSV41_")}
+    full.update(env)
+    p = subprocess.run([sys.executable, str(CASE), str(ck), str(out)], env=full, capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, f"{env}: {p.stderr[-3000:]}"
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def check_common(r: dict, env: dict) -> None:
+    assert r["status"] == 200 and r["completion"]["usage"]["completion_tokens"] == 3 and r["completion"]["choices"][0]["text"]
+    m = r["measurements"]
+    assert m["dram_stream_read_gbs"]["median"] > 0
+    for e in m["cpu_moe_gbs"]:                            # every geometry measured, with its own top_k's bank floor
+        assert "skipped" in e or (e["median"] > 0 and e["extra"]["bank_experts"] >= 2 * e["extra"]["top_k"] + 8), e
+    for k, v in env.items():
+        if k.startswith("DSV41_"):
+            assert f"{k}={v}" in r["host"]["soft"]["host_overrides"]
+    assert r["plan"]["cpu_threads"] <= r["facts"]["usable_cores"]
+
+
+@contextlib.contextmanager
+def read_only(d: Path):
+    """A directory no process here can write to, root included (chattr +i), else chmod a-w."""
+    if os.geteuid() == 0:
+        if subprocess.run(["chattr", "+i", str(d)], capture_output=True).returncode != 0:
+            pytest.skip("cannot make a read-only directory as root here (chattr +i refused)")
+        try:
+            yield d
+        finally:
+            subprocess.run(["chattr", "-i", str(d)], check=True)
+    else:
+        d.chmod(0o555)
+        try:
+            yield d
+        finally:
+            d.chmod(0o755)
+
+
+ISA_CASES = [pytest.param("scalar", {"DSV41_CPU_ISA": "scalar", "DSV41_LLC_MIB": "2"}, id="scalar-llc2mib"),
+             pytest.param("avx2", {"DSV41_CPU_ISA": "avx2", "DSV41_LLC_MIB": "32", "DSV41_LLC_DOMAINS": "4"},
+                          id="avx2-llc32mib-x4domains"),
+             pytest.param(NATIVE, {"DSV41_LLC_MIB": "1024", "DSV41_RAM_GIB": "9"}, id="native-llc1gib-ram9gib")]
+
+
+@pytest.mark.parametrize("want_isa,env", ISA_CASES)
+def test_isa_and_cache_shapes(tiny_dir, tmp_path, want_isa, env):
+    if WIDER[want_isa] > WIDER[NATIVE]:
+        pytest.skip(f"this CPU's widest path is {NATIVE}, not {want_isa}")
+    r = run_case(tiny_dir, tmp_path, env)
+    check_common(r, env)
+    llc_mib = float(env["DSV41_LLC_MIB"]) * int(env.get("DSV41_LLC_DOMAINS", 1))
+    assert r["facts"]["isa"] == want_isa and r["host"]["hard"]["kernel_isa"] == want_isa
+    assert r["host"]["hard"]["llc_mib"] == round(llc_mib) and r["host"]["hard"]["llc_domains"] == int(env.get("DSV41_LLC_DOMAINS", 1))
+    m = r["measurements"]
+    budget = m["probe_memory_budget_bytes"]
+    assert budget <= float(env.get("DSV41_RAM_GIB", 1e9)) * 2**30 / 4
+    for e in m["cpu_moe_gbs"]:
+        ebytes = 3 * 17 * int(e["geometry"].split("x")[0]) * int(e["geometry"].split("x")[1]) // 32
+        n = e["extra"]["bank_experts"]
+        assert n * ebytes <= budget
+        if n * ebytes < 4 * llc_mib * 2**20:              # the budget kept the bank small: the figure says so
+            assert "probe memory budget" in e["note"], e
+    if llc_mib >= 1024:
+        assert any("probe memory budget" in e["note"] for e in m["cpu_moe_gbs"])
+        assert "probe memory budget" in m["dram_stream_read_gbs"]["note"]
+
+
+def test_one_usable_core(tiny_dir, tmp_path):
+    env = {"DSV41_CORES": "1", "NUMBA_NUM_THREADS": "1", "DSV41_LLC_MIB": "32"}
+    r = run_case(tiny_dir, tmp_path, env)
+    check_common(r, env)
+    assert r["facts"]["usable_cores"] == 1 and r["host"]["hard"]["physical_cores"] == 1
+    assert {e["threads"] for e in r["measurements"]["cpu_moe_gbs"] if "threads" in e} == {1}
+
+
+def test_read_only_checkpoint_directory(tiny_dir, tmp_path):
+    ck = tmp_path / "ro" / "tiny"
+    shutil.copytree(tiny_dir, ck)
+    before = sorted(p.name for p in ck.iterdir())
+    env = {"DSV41_LLC_MIB": "2"}
+    with read_only(ck):
+        r = run_case(ck, tmp_path / "out", env)
+    check_common(r, env)
+    assert sorted(p.name for p in ck.iterdir()) == before             # nothing written into the checkpoint
+    assert not list(ck.parent.glob(".dsv41-probe-*"))                 # the probe's scratch directory is gone
+
+
+def test_checkpoint_on_tmpfs_and_a_filesystem_without_o_direct(tiny_dir, tmp_path):
+    """tmpfs refused O_DIRECT until Linux 6.6; where this kernel's tmpfs takes it, the refusal of an older
+    kernel (or a network filesystem) is reproduced with $DSV41_O_DIRECT=0 on top of the tmpfs."""
+    shm = Path("/dev/shm")
+    mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+    if not any(m[1] == str(shm) and m[2] == "tmpfs" for m in mounts):
+        pytest.skip("no tmpfs at /dev/shm on this host")
+    root = Path(subprocess.check_output(["mktemp", "-d", "-p", str(shm)], text=True).strip())
+    try:
+        ck = root / "tiny"
+        shutil.copytree(tiny_dir, ck)
+        env = {"DSV41_LLC_MIB": "2"}
+        if not o_direct_refusal(next(ck.glob("*.safetensors"))):
+            env["DSV41_O_DIRECT"] = "0"
+        r = run_case(ck, tmp_path, env)
+        check_common(r, env)
+        curve = r["measurements"]["nvme_randread_4k"]
+        assert all(e["io_path"] == "buffered" and "O_DIRECT" in e["fallback"] for e in curve)
+        assert r["info_io"]["profile"].startswith("buffered (")          # shown by dsv41-serve's /dsv41/info too
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_small_ram_puts_routed_experts_on_the_nvme_tier(tiny_dir, tmp_path):
+    fp = Checkpoint(tiny_dir).footprint()
+    routed = fp.routed_expert_bytes_total
+    ram = OS_HEADROOM + fp.dense_bytes_per_token + fp.bytes_by_class["embeddings"] + routed // 2
+    env = {"DSV41_RAM_GIB": f"{ram / 2**30:.7f}", "DSV41_LLC_MIB": "2"}
+    r = run_case(tiny_dir, tmp_path, env)
+    check_common(r, env)
+    budget = r["plan"]["host_expert_budget_gib"]
+    assert budget is not None and budget * 2**30 < routed                # part of the experts live on NVMe
