@@ -49,6 +49,9 @@ def test_v4_flash_decode_reproduces_the_published_serving_figure(epyc, v4):
 
 
 def test_v41_on_that_host_19_tok_s_if_resident_but_it_does_not_fit(epyc, v41):
+    # published: "V4.1 estimate there: ~19 tok/s if experts stay resident" (FreeToken #444, REFERENCE.md
+    # host B); the first-order physics agrees: the 72-85 GB/s effective there / 4.51 GB routed per token
+    assert 72 / 4.51 <= 19 <= 85 / 4.51 + 0.2 and v41.routed_bytes_per_decode_token == pytest.approx(4.51e9, rel=0.01)
     roomy = copy.deepcopy(epyc)
     roomy["host"]["hard"]["ram_gib"] = 1024
     resident = Plan(moe_strategy="cpu", engram_placement="nvme_direct", max_context=32768)

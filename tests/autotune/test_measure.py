@@ -24,7 +24,12 @@ def test_measure_runs_warmup_and_keeps_raw_samples():
     calls = []
     m = measure(lambda: calls.append(1), repeats=5, warmup=3, setup=lambda: calls.append(0))
     assert len(m.samples) == 5 and calls.count(1) == 8 and calls.count(0) == 8
-    assert all(s >= 0 for s in m.samples)
+
+
+def test_measure_times_the_call_and_not_its_setup():
+    import time
+    m = measure(lambda: time.sleep(0.02), repeats=3, warmup=1, setup=lambda: time.sleep(0.05))
+    assert all(0.019 <= s < 0.045 for s in m.samples), m.samples     # the sleep in fn, none of the setup's
 
 
 def test_dram_probe_refuses_a_buffer_under_4x_llc():

@@ -204,6 +204,20 @@ def test_missing_and_extra_tensors(broken):
         Checkpoint(broken)
 
 
+def test_an_extra_tensor_is_named(broken):
+    idx = json.loads((broken / INDEX).read_text())
+    shard = idx["weight_map"]["embed.weight"]
+    stray = "layers.0.ffn.experts.999.w1.weight"
+
+    def add(h):
+        h[stray] = dict(h["embed.weight"])                  # same bytes, a name the layout does not have
+    _rewrite_header(broken / shard, add)
+    idx["weight_map"][stray] = shard
+    (broken / INDEX).write_text(json.dumps(idx))
+    with pytest.raises(CheckpointError, match=f"{shard}: tensor '{stray}' is not part of the layout"):
+        Checkpoint(broken)
+
+
 def test_index_points_at_wrong_shard(broken):
     idx = json.loads((broken / INDEX).read_text())
     idx["weight_map"]["embed.weight"] = sorted(set(idx["weight_map"].values()))[-1]

@@ -55,6 +55,9 @@ L9 = ((0, 0, 0, 0), (0, 1, 1, 1), (0, 2, 2, 2), (1, 0, 1, 2), (1, 1, 2, 0), (1, 
 PLANS = [Plan(slot_cache_experts=SLOTS[a], moe_strategy=STRATS[b], prefill_chunk=CHUNKS[c],
               host_expert_budget_gib=D[d][0], cpu_threads=D[d][1], fetch_fraction=0.5) for a, b, c, d in L9]
 PLANS.append(Plan(slot_cache_experts=20, moe_strategy="hybrid", prefill_chunk=7, host_expert_budget_gib=0.0004, cpu_threads=1))
+# slot caches smaller than one call's distinct experts (a wide prefill chunk reads up to 16 per layer)
+SMALL = [Plan(slot_cache_experts=2, moe_strategy="offload", prefill_chunk=512, cpu_threads=2),
+         Plan(slot_cache_experts=3, moe_strategy="hybrid", fetch_fraction=1.0, prefill_chunk=64, host_expert_budget_gib=0.0004)]
 
 
 def test_the_cover_is_pairwise():
@@ -65,7 +68,7 @@ def test_the_cover_is_pairwise():
             assert want <= {(v[i], v[j]) for v in vals}, (i, j)
 
 
-@pytest.mark.parametrize("plan", PLANS, ids=lambda p: f"{p.moe_strategy}-s{p.slot_cache_experts}-c{p.prefill_chunk}-"
+@pytest.mark.parametrize("plan", PLANS + SMALL, ids=lambda p: f"{p.moe_strategy}-s{p.slot_cache_experts}-c{p.prefill_chunk}-"
                          f"{'all' if p.host_expert_budget_gib is None else 'nvme'}-t{p.cpu_threads}")
 def test_no_exact_knob_changes_greedy_output(ck, case, plan):
     prompt, r = case

@@ -1,0 +1,140 @@
+"""hostinfo: every host fact, its override, and the layering it sits under."""
+import ast
+import os
+from pathlib import Path
+
+import numba
+import pytest
+
+import hostinfo
+from hostinfo import HostFactError, machine
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_llc_is_the_total_over_domains(monkeypatch):
+    monkeypatch.setenv("DSV41_LLC_MIB", "32")
+    monkeypatch.setenv("DSV41_LLC_DOMAINS", "4")
+    assert hostinfo.llc_domains() == [32 << 20] * 4 and hostinfo.llc_bytes() == 128 << 20
+    monkeypatch.delenv("DSV41_LLC_DOMAINS")
+    assert hostinfo.llc_bytes() == 32 << 20
+
+
+def test_sysfs_domains_are_distinct_and_of_the_last_level():
+    doms = machine.llc_domains_sysfs()
+    if not doms:
+        pytest.skip("no cache topology in sysfs on this host")
+    assert all(d > 0 for d in doms) and sum(doms) >= max(doms)
+
+
+def test_overrides_are_validated_and_named(monkeypatch):
+    monkeypatch.setenv("DSV41_CORES", "zero")
+    with pytest.raises(HostFactError, match="DSV41_CORES"):
+        hostinfo.usable_cores()
+    monkeypatch.setenv("DSV41_CORES", "0")
+    with pytest.raises(HostFactError, match=">= 1"):
+        hostinfo.usable_cores()
+    monkeypatch.setenv("DSV41_CORES", "1")
+    assert hostinfo.usable_cores() == 1
+    monkeypatch.setenv("DSV41_CPU_ISA", "neon")
+    with pytest.raises(HostFactError, match="DSV41_CPU_ISA"):
+        hostinfo.isa()
+
+
+def test_an_isa_wider_than_the_cpu_is_refused(monkeypatch):
+    monkeypatch.delenv("DSV41_CPU_ISA", raising=False)
+    native = hostinfo.isa()
+    if native == "avx512":
+        pytest.skip("nothing is wider than avx512 here")
+    monkeypatch.setenv("DSV41_CPU_ISA", "avx512")
+    with pytest.raises(HostFactError, match="wider than this CPU"):
+        hostinfo.isa()
+
+
+def test_usable_cores_never_exceed_numba_affinity_or_cores(monkeypatch):
+    n = hostinfo.usable_cores()
+    assert 1 <= n <= min(len(os.sched_getaffinity(0)), numba.config.NUMBA_NUM_THREADS)
+    monkeypatch.setenv("DSV41_CORES", str(n + 8))                  # an override never adds cores
+    assert hostinfo.usable_cores() == n
+    monkeypatch.setenv("NUMBA_NUM_THREADS", "1")
+    assert hostinfo.usable_cores() == 1
+
+
+def test_thread_clamp_warns_with_both_numbers(monkeypatch, tiny_dir):
+    monkeypatch.setenv("DSV41_CORES", "1")
+    assert hostinfo.clamp_threads(0) == (1, "")
+    n, why = hostinfo.clamp_threads(8)
+    assert n == 1 and "8" in why and "1 cores" in why
+    from runtime.checkpoint.reader import Checkpoint
+    from runtime.experts import PlacedExperts
+    from runtime.plan import Plan
+    with pytest.warns(RuntimeWarning, match="cpu_threads = 64 but this process may use 1"):
+        pe = PlacedExperts(Checkpoint(tiny_dir), Plan(cpu_threads=64))
+    assert pe.threads == 1
+    pe.close()
+
+
+def test_ram_override_caps_total_and_available(monkeypatch):
+    monkeypatch.setenv("DSV41_RAM_GIB", "2")
+    assert hostinfo.ram_total_bytes() == 2 << 30 and hostinfo.ram_available_bytes() <= 2 << 30
+    assert hostinfo.probe_budget_bytes() <= 512 << 20
+
+
+def test_o_direct_override_and_cuda_override(monkeypatch, tmp_path):
+    f = tmp_path / "f.bin"
+    f.write_bytes(b"x" * 8192)
+    monkeypatch.setenv("DSV41_O_DIRECT", "0")
+    assert "DSV41_O_DIRECT" in hostinfo.o_direct_refusal(f)
+    monkeypatch.setenv("DSV41_CUDA", "0")
+    assert hostinfo.cuda_available() is False
+    assert "DSV41_CUDA=0" in hostinfo.facts().overrides
+
+
+def test_cpu_facts_without_x86_cpuinfo(monkeypatch):
+    """An aarch64 host (Grace): no 'model name' and no 'flags' in /proc/cpuinfo, scalar kernels."""
+    monkeypatch.setattr(machine, "_cpuinfo", lambda: {"processor": "0", "CPU implementer": "0x41", "CPU part": "0xd4f",
+                                                      "Features": "fp asimd sve2"})
+    monkeypatch.setattr(machine, "arch", lambda: "aarch64")
+    monkeypatch.delenv("DSV41_CPU_ISA", raising=False)
+    assert machine.cpu_model() == "arm implementer 0x41 part 0xd4f"
+    assert machine.cpu_flags() == [] and machine.isa() == "scalar"
+
+
+# ------------------------------------------------------------------------------------------- layering
+def _imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+@pytest.mark.parametrize("package,forbidden", [("hostinfo", ("kernels", "runtime", "autotune", "reports")),
+                                               ("kernels", ("runtime", "autotune", "reports")),
+                                               ("runtime", ("autotune", "reports")),
+                                               ("autotune", ("reports",))])
+def test_imports_point_one_way(package, forbidden):
+    for path in (ROOT / package).rglob("*.py"):
+        bad = [m for m in _imports(path) if m.split(".")[0] in forbidden]
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_reports_import_no_private_names():
+    for path in (ROOT / "reports").rglob("*.py"):
+        bad = [m for m in _imports(path) if m.split(".")[0] in ("autotune", "runtime", "hostinfo", "kernels")
+               and m.rsplit(".", 1)[-1].startswith("_")]
+        assert not bad, f"{path.relative_to(ROOT)} imports private names {bad}"
+
+
+def test_no_module_reads_host_facts_behind_hostinfo():
+    """/proc/cpuinfo, cache sysfs, psutil memory and affinity are read in hostinfo only."""
+    needles = ("/proc/cpuinfo", "cpu0/cache", "virtual_memory()", "sched_getaffinity", "get_host_cpu_features",
+               "cpu_count(")
+    for pkg in ("kernels", "runtime", "autotune", "reports"):
+        for path in (ROOT / pkg).rglob("*.py"):
+            text = path.read_text()
+            hits = [n for n in needles if n in text]
+            assert not hits, f"{path.relative_to(ROOT)} reads {hits} itself: go through hostinfo"
