@@ -61,3 +61,34 @@ def test_a_cache_smaller_than_the_call_runs_in_rounds(tiny_dir, monkeypatch, ker
         assert ((y.double() - r).norm() / r.norm()) < 1e-5
     assert len(placed.cache.where) <= slots
     placed.close()
+
+
+# The device path through the Engine (offload and hybrid, caches smaller than a call, all of it), the
+# Triton slots standing in for the GPU on CPU tensors: greedy tokens equal the float64 reference's and
+# logits within the runtime's tolerance. Pinned host banks need CUDA (torch pins only with a driver),
+# so they run in scripts/gpu_check.sh on a lent GPU machine, not here.
+DEVICE_COVER = [Plan(moe_strategy="offload", slot_cache_experts=2, prefill_chunk=512),
+                Plan(moe_strategy="hybrid", slot_cache_experts=20, fetch_fraction=0.5, prefill_chunk=512, host_expert_budget_gib=0.0004),
+                Plan(moe_strategy="offload", slot_cache_experts=128, prefill_chunk=512, cpu_threads=1)]
+
+
+@pytest.mark.parametrize("plan", DEVICE_COVER, ids=lambda p: f"{p.moe_strategy}-s{p.slot_cache_experts}")
+def test_the_device_path_through_the_engine(tiny_dir, monkeypatch, plan):
+    if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA and triton already imported without TRITON_INTERPRET=1")
+    from tokenizers import Tokenizer
+
+    from runtime.engine import Engine
+    from runtime.workload import make_prompt
+    monkeypatch.setenv("DSV41_SLOT_KERNEL", "triton")
+    prompt = make_prompt(Tokenizer.from_file(str(tiny_dir / "tokenizer.json")), 24, seed=11)
+    ref = Engine(tiny_dir, reference=True).generate(prompt, 4, keep_logits=True)
+    e = Engine(tiny_dir, plan, device=DEV)
+    try:
+        assert isinstance(e.experts.cache.mem, TritonSlots)
+        out = e.generate(prompt, 4, keep_logits=True)
+    finally:
+        e.close()
+    assert out.tokens == ref.tokens
+    assert max((a.double().cpu() - b).abs().max().item() for a, b in zip(out.logits, ref.logits)) < 1e-3
+    assert out.phases.get("device_moe", 0) > 0 or out.prefill_phases.get("device_moe", 0) > 0
