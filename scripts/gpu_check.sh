@@ -6,7 +6,10 @@
 #   pytest.log        every CUDA-capable test: Triton kernels, the Triton slot cache, the runtime vs reference
 #   run-*.json        dsv41-run with three plans on a tiny checkpoint (one with a 32 GiB vram_budget)
 #   gpu_kernels.json  the Triton kernels against the device copy bandwidth
-#   probes.json       the host probes that exist (DRAM stream read)
+#   probes.json       the DRAM stream read probe
+#   profile.json      dsv41-tune profile --quick: GPU memory read and bf16 matmul, PCIe copies, the expert
+#                     gather with repeats (pinned bank bounded by the probe memory budget), the contended
+#                     CPU-MoE + gather pair
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu-check}
@@ -29,7 +32,9 @@ for plan in '{"moe_strategy": "cpu", "prefill_chunk": 16}' \
 done
 "$PY" benchmarks/gpu_kernels.py > "$OUT/gpu_kernels.json" 2>&1 || echo "gpu_kernels failed"
 "$PY" -c "
-import json; from kernels.stream import dram_stream_read; import os
-m = dram_stream_read(os.cpu_count() or 1, repeats=3)
+import json; from kernels.stream import dram_stream_read; from hostinfo import usable_cores
+m = dram_stream_read(usable_cores(), repeats=3)
 print(json.dumps({'dram_stream_read_gbs': m.to_dict()}))" > "$OUT/probes.json" 2>&1 || echo "probes failed"
+timeout 300 "$PY" -m autotune.cli profile --checkpoint "$CK" --quick --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1 \
+  || echo "profile failed (see profile.log)"
 tail -3 "$OUT/pytest.log"
