@@ -338,14 +338,17 @@ class PlacedExperts:
         return out[2:]
 
     def gather_seconds(self, layer: int, n_miss: int) -> float:
-        """Time to gather `n_miss` experts of `layer` (not cached yet) into the slot cache."""
-        todo = [e for e in range(self.cfg.n_routed_experts) if self.cache.lookup((layer, e)) is None][:n_miss]
-        if not self.cache.n or len(todo) < n_miss:
-            raise ValueError(f"cannot gather {n_miss} uncached experts into a cache of {self.cache.n} slots")
+        """Time to gather `n_miss` host-resident experts of `layer` into an emptied slot cache (so every
+        call, repeated, times a real gather; the host bank is the source, never the NVMe tier)."""
+        resident = self.resident[layer]
+        if not self.cache.n or min(self.cache.n, resident) < n_miss:
+            raise ValueError(f"cannot gather {n_miss} experts: {self.cache.n} slots, {resident} resident in layer {layer}")
+        self.cache.where.clear()
+        self._gathers = getattr(self, "_gathers", 0) + 1
+        todo = [(self._gathers * n_miss + i) % resident for i in range(n_miss)]
         t0 = time.perf_counter()
-        bank, rows = self._fetch(layer, todo)
-        for e, r in zip(todo, rows):
-            self.cache.put((layer, e), bank, r)
+        for e in todo:
+            self.cache.put((layer, e), self.host[layer], e)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return time.perf_counter() - t0

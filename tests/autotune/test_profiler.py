@@ -6,6 +6,7 @@ import os
 import pytest
 
 from autotune.cli import main as tune_main
+from hostinfo import cuda_available
 from hostinfo.fingerprint import compare, fingerprint
 from runtime.profile import HARD_FIELDS, load_profile
 from runtime.io_reader import BatchedReader
@@ -37,6 +38,19 @@ def test_quick_profile_is_complete_and_valid(quick_profile, tiny_dir):
     assert not list(tiny_dir.parent.glob(".dsv41-probe-*")) and not list(tiny_dir.glob("*probe*"))   # scratch removed
     assert all(len(e["samples"]) >= 3 and e["min"] <= e["iops"] <= e["max"] for e in m["nvme_randread_4k"])
     assert all(k in p["host"]["hard"] for k in HARD_FIELDS)
+
+
+def test_gpu_figures_are_measured_on_a_gpu_host_and_skipped_with_the_reason_elsewhere(quick_profile):
+    m = load_profile(quick_profile)["measurements"]
+    keys = ("gpu_mem_gbs", "gpu_tflops", "pcie_h2d_gbs", "pcie_gather_gbs")
+    if not cuda_available():
+        assert all(m[k]["skipped"] == "no CUDA device on this host" for k in keys)
+        assert [c["pair"] for c in m["contended"]] == ["cpu_moe+nvme_randread"]
+        return
+    for k in keys:                                       # measured, with warm-up and repeats
+        assert m[k]["median"] > 0 and len(m[k]["samples"]) >= 5, k
+    pair = next(c for c in m["contended"] if c["pair"] == "cpu_moe+pcie_gather")
+    assert pair["cpu_moe_gbs"]["median"] > 0 and ("skipped" in pair["pcie_gather_gbs"] or pair["pcie_gather_gbs"]["median"] > 0)
 
 
 def test_fingerprint_hard_and_soft(tiny_dir):

@@ -192,7 +192,8 @@ def test_dispatch_and_gather_costs_are_exposed(ck):
     d = pe.dispatch_seconds(3, repeats=5)
     assert len(d) == 5 and all(0 < s < 1 for s in d)
     one, four = pe.gather_seconds(2, 1), pe.gather_seconds(2, 4)
-    assert one > 0 and four > 0 and pe.cache.lookup((2, 4)) is not None
+    assert one > 0 and four > 0 and len(pe.cache.where) == 4 and all(k[0] == 2 for k in pe.cache.where)
+    assert all(pe.gather_seconds(2, 4) > 0 for _ in range(20))      # repeated samples: each a real gather
     with pytest.raises(ValueError, match="cannot gather"):
         pe.gather_seconds(2, 100)
     pe.close()
