@@ -209,9 +209,12 @@ def test_an_extra_tensor_is_named(broken):
     shard = idx["weight_map"]["embed.weight"]
     stray = "layers.0.ffn.experts.999.w1.weight"
 
-    def add(h):
-        h[stray] = dict(h["embed.weight"])                  # same bytes, a name the layout does not have
+    def add(h):                                              # 8 new bytes at the end, a name the layout lacks
+        end = max(v["data_offsets"][1] for k, v in h.items() if k != "__metadata__")
+        h[stray] = {"dtype": "U8", "shape": [8], "data_offsets": [end, end + 8]}
     _rewrite_header(broken / shard, add)
+    with open(broken / shard, "ab") as f:
+        f.write(bytes(8))
     idx["weight_map"][stray] = shard
     (broken / INDEX).write_text(json.dumps(idx))
     with pytest.raises(CheckpointError, match=f"{shard}: tensor '{stray}' is not part of the layout"):
