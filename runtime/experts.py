@@ -28,7 +28,7 @@ from hostinfo import clamp_threads
 from kernels.cpu_moe import Fp4Bank, expert_ffn
 from runtime.checkpoint.reader import Checkpoint
 from runtime.io_reader import BatchedReader
-from runtime.model.weights import expert_raw, expert_span
+from runtime.model.weights import expert_from_span, expert_raw, expert_span
 from runtime.plan import Plan
 
 
@@ -211,20 +211,11 @@ class PlacedExperts:
         if all(e < r for e in experts):
             return self.host[layer], list(experts)
         t0 = time.perf_counter()
-        spans = [expert_span(self.ck, f"layers.{layer}.ffn.experts.{e}") for e in experts]
+        prefixes = [f"layers.{layer}.ffn.experts.{e}" for e in experts]
+        spans = [expert_span(self.ck, p) for p in prefixes]
         blobs = self.reader.read(spans)
         self.seconds["nvme_read"] += time.perf_counter() - t0
-        H, I = self.cfg.hidden_size, self.cfg.moe_intermediate_size
-        raws = []
-        for b in blobs:      # contiguous w1.weight, w1.scale, w2.weight, w2.scale, w3.weight, w3.scale
-            sizes = [I * H // 2, I * H // 32, H * I // 2, H * I // 32, I * H // 2, I * H // 32]
-            parts, o = [], 0
-            for n in sizes:
-                parts.append(b[o:o + n])
-                o += n
-            raws.append({"w1": (parts[0].reshape(I, H // 2), parts[1].reshape(I, H // 32)),
-                         "w2": (parts[2].reshape(H, I // 2), parts[3].reshape(H, I // 32)),
-                         "w3": (parts[4].reshape(I, H // 2), parts[5].reshape(I, H // 32))})
+        raws = [expert_from_span(self.ck, p, b, s[1]) for p, b, s in zip(prefixes, blobs, spans)]
         return Fp4Bank.from_experts(raws), list(range(len(experts)))
 
     # ------------------------------------------------------------------ compute

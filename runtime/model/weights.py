@@ -40,11 +40,29 @@ def expert_raw(ck: Checkpoint, prefix: str) -> dict:
             for w in ("w1", "w2", "w3")}
 
 
+EXPERT_PARTS = tuple((w, k) for w in ("w1", "w2", "w3") for k in ("weight", "scale"))
+
+
 def expert_span(ck: Checkpoint, prefix: str) -> tuple[str, int, int]:
-    """(shard path, offset, length): an expert's six tensors are one contiguous byte range in our
-    layout, so the NVMe tier reads an expert with one request to the batched reader."""
-    infos = [ck.infos[f"{prefix}.{w}.{k}"] for w in ("w1", "w2", "w3") for k in ("weight", "scale")]
+    """(shard path, offset, length): the byte range covering an expert's six tensors, so the NVMe tier
+    reads an expert with one request to the batched reader. Any order of the tensors in the shard is
+    fine (they are sliced by their own header offsets, `expert_from_span`); all six must share a shard
+    and the range may hold at most as many foreign bytes as the expert's own."""
+    infos = [ck.infos[f"{prefix}.{w}.{k}"] for w, k in EXPERT_PARTS]
     begin, end = min(i.begin for i in infos), max(i.end for i in infos)
-    if end - begin != sum(i.nbytes for i in infos) or len({i.path for i in infos}) != 1:
-        raise ValueError(f"expert {prefix} is not one contiguous range in its shard")
+    own = sum(i.nbytes for i in infos)
+    if len({i.path for i in infos}) != 1 or end - begin > 2 * own:
+        raise ValueError(f"expert {prefix}: its tensors are spread over shards or far apart in "
+                         f"{infos[0].path.name}; the NVMe expert tier reads an expert as one range")
     return str(infos[0].path), begin, end - begin
+
+
+def expert_from_span(ck: Checkpoint, prefix: str, blob, begin: int) -> dict:
+    """expert_raw's dict from the bytes of `expert_span` (read from file offset `begin`): each tensor
+    sliced at its own header offset and shaped by its own header shape."""
+    out = {}
+    for w, k in EXPERT_PARTS:
+        i = ck.infos[f"{prefix}.{w}.{k}"]
+        shape = (i.shape[0], i.shape[1] // 2) if i.dtype == "F4" else i.shape      # packed codes: 2 per byte
+        out.setdefault(w, [None, None])[k == "scale"] = blob[i.begin - begin:i.end - begin].reshape(shape)
+    return {w: tuple(v) for w, v in out.items()}

@@ -227,3 +227,35 @@ def test_index_points_at_wrong_shard(broken):
     (broken / INDEX).write_text(json.dumps(idx))
     with pytest.raises(CheckpointError, match="embed.weight"):
         Checkpoint(broken)
+
+
+def test_a_reordered_checkpoint_computes_the_same_experts_from_the_nvme_tier(tiny_dir, tmp_path):
+    """A valid checkpoint may store an expert's tensors in any order: swap w1.weight and w2.weight (bytes
+    and offsets, same size) in the shard; the NVMe tier must slice by each tensor's own header offsets."""
+    from runtime.experts import PlacedExperts, ReferenceExperts
+    from runtime.plan import Plan
+    d = tmp_path / "reordered"
+    shutil.copytree(tiny_dir, d)
+    layer, e = 3, 15                                      # the last expert: on the NVMe tier below
+    a, b = f"layers.{layer}.ffn.experts.{e}.w1.weight", f"layers.{layer}.ffn.experts.{e}.w2.weight"
+    shard = d / json.loads((d / INDEX).read_text())["weight_map"][a]
+    raw = bytearray(shard.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    h = json.loads(raw[8:8 + n])
+    (a0, a1), (b0, b1) = h[a]["data_offsets"], h[b]["data_offsets"]
+    assert a1 - a0 == b1 - b0
+    base = 8 + n
+    raw[base + a0:base + a1], raw[base + b0:base + b1] = raw[base + b0:base + b1], raw[base + a0:base + a1]
+    h[a]["data_offsets"], h[b]["data_offsets"] = [b0, b1], [a0, a1]
+    shard.write_bytes(bytes(raw))
+    _rewrite_header(shard, lambda hh: hh.update({a: h[a], b: h[b]}))
+    ck = Checkpoint(d)
+    pe = PlacedExperts(ck, Plan(host_expert_budget_gib=0.0004, cpu_threads=1))
+    assert pe.resident[layer] <= e                        # expert 15 is read from the NVMe tier
+    ref = ReferenceExperts(ck)
+    g = torch.Generator().manual_seed(0)
+    m = torch.randn(2, ck.config.hidden_size, generator=g)
+    ids, w = torch.tensor([[e], [e]]), torch.ones(2, 1)
+    y, r = pe.routed(layer, m, ids, w), ref.routed(layer, m.double(), ids, w.double())
+    assert ((y.double() - r).norm() / r.norm()) < 1e-5
+    pe.close()
