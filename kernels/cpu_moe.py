@@ -127,12 +127,15 @@ def _dot_scalar(R, codes, c_off, c_stride, scales, s_off, s_stride, x, x_off, st
 
 @njit(nogil=True, cache=CACHE)
 def _plan_slots(ids, n_experts):
-    """Group (token, k) assignments by expert, ascending. -> experts [S], counts [S], tok [S, Tm], kk [S, Tm]."""
+    """Group (token, k) assignments by expert, ascending; id -1 is no assignment (skipped).
+    -> experts [S], counts [S], tok [S, Tm], kk [S, Tm]."""
     T, K = ids.shape
     cnt = np.zeros(n_experts, np.int64)
     for t in range(T):
         for k in range(K):
             e = ids[t, k]
+            if e == -1:
+                continue
             if e < 0 or e >= n_experts:
                 raise ValueError("expert id out of range for the bank")
             cnt[e] += 1
@@ -155,6 +158,8 @@ def _plan_slots(ids, n_experts):
     kk = np.empty((S, Tm), np.int64)
     for t in range(T):
         for k in range(K):
+            if ids[t, k] == -1:
+                continue
             s = slot_of[ids[t, k]]
             tok[s, counts[s]] = t
             kk[s, counts[s]] = k
@@ -293,7 +298,8 @@ def _combine(y, counts, tok, kk, wts, out):
 
 def expert_ffn(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, bank: Fp4Bank, threads: int | None = None,
                out: np.ndarray | None = None) -> np.ndarray:
-    """x [T, H] f32, ids [T, K] int64 (bank rows; duplicates allowed), wts [T, K] f32 -> y [T, H] f32.
+    """x [T, H] f32, ids [T, K] int64 (bank rows; duplicates allowed; -1 = none, skipped), wts [T, K] f32
+    -> y [T, H] f32.
     With `out`, the result is added into it."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     ids = np.ascontiguousarray(ids, dtype=np.int64)
@@ -321,7 +327,7 @@ def expert_ffn_reference(x, ids, wts, bank: Fp4Bank, dtype=torch.float64) -> tor
     x = torch.as_tensor(np.asarray(x)).to(dtype)
     ids, wts = np.asarray(ids), torch.as_tensor(np.asarray(wts)).to(dtype)
     y = torch.zeros_like(x)
-    for e in np.unique(ids):
+    for e in np.unique(ids[ids >= 0]):              # -1: no assignment
         w1, w3, w2 = bank.expert_weights(int(e), dtype)
         t, k = np.nonzero(ids == e)
         xe = x[t]
@@ -359,7 +365,7 @@ def expert_ffn_dense(x, ids, wts, bank: Fp4Bank, threads: int | None = None, dty
     ids, wts_t = np.asarray(ids), torch.as_tensor(np.asarray(wts, dtype=np.float32))
     y = torch.zeros_like(x)
     I = bank.inter
-    for e in np.unique(ids):
+    for e in np.unique(ids[ids >= 0]):              # -1: no assignment
         t, k = np.nonzero(ids == e)
         w13 = torch.from_numpy(dequant_experts(bank.w13_codes, bank.w13_scales, [e])[0]).to(dtype)
         w2 = torch.from_numpy(dequant_experts(bank.w2_codes, bank.w2_scales, [e])[0]).to(dtype)

@@ -104,7 +104,7 @@ class TritonSlots:
         from kernels.triton_gpu import fp4_slot_matmul
         xt = torch.as_tensor(x, device=self.device)
         y = torch.zeros_like(xt)
-        pairs = [(int(s), t, k) for t, k in zip(*np.nonzero(wts)) for s in [ids[t, k]]]
+        pairs = [(int(ids[t, k]), t, k) for t, k in zip(*np.nonzero(ids >= 0))]
         slots = sorted({s for s, _, _ in pairs})
         groups = {s: [(t, k) for s2, t, k in pairs if s2 == s] for s in slots}
         Tm = max(len(g) for g in groups.values())
@@ -229,9 +229,8 @@ class PlacedExperts:
         """Run `experts` (mapped to `rows` of `bank`) for the tokens routed to them."""
         lut = np.full(self.cfg.n_routed_experts, -1, np.int64)
         lut[list(experts)] = rows
-        sub = lut[ids]                                   # [T, K]: bank row, or -1 for other experts
-        mask = sub >= 0
-        return bank, np.where(mask, sub, 0), np.where(mask, wts, 0.0).astype(np.float32)
+        sub = lut[ids]                                   # [T, K]: bank row, or -1 (skipped) for other experts
+        return bank, sub, np.where(sub >= 0, wts, 0.0).astype(np.float32)
 
     def _groups(self, layer, experts):
         """(bank, experts, rows): the host bank's experts in place, then the NVMe tier's (only those read)."""

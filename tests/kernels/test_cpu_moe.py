@@ -166,3 +166,16 @@ def test_batch_invariant_a_token_alone_or_in_a_verify_batch():
     batch = expert_ffn(x, ids, w, bank)
     for t in range(len(x)):
         assert np.array_equal(batch[t], expert_ffn(x[t:t + 1], ids[t:t + 1], w[t:t + 1], bank)[0])
+
+
+def test_unassigned_entries_are_skipped_not_computed():
+    """-1 marks no assignment (a split call's other experts): nothing is computed for it. Expert 0 has
+    NaN scales here, so computing it with weight 0 (the old masking) would poison the output."""
+    bank, x, ids, w = _case(10, 6, 128, 64, 5, 3)
+    bank.w13_scales[0] = 255                                 # E8M0 255 = NaN
+    ids = np.where(ids == 0, 1, ids)
+    ids[:, 0] = -1
+    y = expert_ffn(x, ids, w, bank)
+    assert np.isfinite(y).all()
+    keep = ids >= 0
+    _check(y, expert_ffn_reference(x, np.where(keep, ids, 1), np.where(keep, w, 0).astype(np.float32), bank))
