@@ -38,6 +38,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from runtime.profile import cpu_moe_figure, figure
+from runtime.budget import staging_bytes
 from runtime.checkpoint.footprint import Footprint
 from runtime.plan import Plan
 from runtime.workload import Workload
@@ -160,7 +161,10 @@ def predict(plan: Plan, profile: dict, fp: Footprint, wl: Workload, allow_inexac
     peak = INDEXER_B_PER_SCORE * plan.prefill_chunk * fp.n_blocks_max(plan.max_context)
     drafter = fp.bytes_by_class["drafter"] if plan.dspark else 0
     dense_dev = fp.dense_bytes_per_token + fp.bytes_by_class["embeddings"] // 2   # + embedding table
-    vram = dense_dev + kv + GRAPHS_BYTES + peak + plan.prefill_buffer_mib * (1 << 20) + slots_bytes + drafter if gpu else 0
+    staging = staging_bytes(plan, fp)
+    if plan.prefill_moe_path == "device" and not staging:
+        why.append(f"prefill_moe_path device needs prefill_buffer_mib >= one expert ({eb / 2**20:.2f} MiB), got {plan.prefill_buffer_mib}")
+    vram = dense_dev + kv + GRAPHS_BYTES + peak + staging + slots_bytes + drafter if gpu else 0
     vram_cap = (plan.vram_budget_gib * GIB if plan.vram_budget_gib is not None
                 else profile["host"]["hard"]["gpu_vram_gib"] * GIB if gpu else 0)
     if gpu and vram > vram_cap * (1 - VRAM_MARGIN):

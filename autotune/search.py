@@ -76,6 +76,9 @@ def suggest_plan(trial: optuna.Trial, profile: dict, fp: Footprint, wl: Workload
         draft_length=trial.suggest_int("draft_length", 1, 5),
         geometry_hash=fp.geometry_hash,
     )
+    if kw["prefill_moe_path"] == "device":     # its staging buffer, in whole experts (MiB rounded up)
+        n = trial.suggest_categorical("prefill_buffer_experts", [1, 4, 16, 64])
+        kw["prefill_buffer_mib"] = -(-n * fp.expert_bytes // (1 << 20))
     if kw["host_expert_budget_gib"] >= routed_gib * 0.999:
         kw["host_expert_budget_gib"] = None
     return Plan(**kw)

@@ -15,9 +15,18 @@ class DoesNotFit(ValueError):
 
 
 def device_bytes(plan: Plan, fp: Footprint) -> int:
-    """Dense + embeddings + KV pool + slot cache (+ drafter with DSpark): what the device holds."""
+    """Dense + embeddings + KV pool + slot cache (+ drafter with DSpark, + the prefill staging buffer
+    on the device prefill path): what the device holds."""
     return int(fp.dense_bytes_per_token + fp.bytes_by_class["embeddings"] // 2 + fp.kv_bytes_per_token * plan.max_context
-               + plan.slot_cache_experts * fp.expert_bytes + (fp.bytes_by_class["drafter"] if plan.dspark else 0))
+               + plan.slot_cache_experts * fp.expert_bytes + (fp.bytes_by_class["drafter"] if plan.dspark else 0)
+               + staging_bytes(plan, fp))
+
+
+def staging_bytes(plan: Plan, fp: Footprint) -> int:
+    """The device prefill path's staging buffer, as the runtime allocates it: whole experts."""
+    if plan.prefill_moe_path != "device":
+        return 0
+    return plan.prefill_buffer_mib * (1 << 20) // fp.expert_bytes * fp.expert_bytes
 
 
 def host_bytes(plan: Plan, fp: Footprint) -> int:

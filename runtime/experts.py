@@ -5,7 +5,10 @@ Backends implement routed(layer, m [T, H], ids [T, K], wts [T, K]) -> [T, H] and
   PlacedExperts     the plan's placement:
     host bank     per layer, the first experts up to host_expert_budget_gib (all by default), as ds_fp4
                   banks computed by the numba kernel; experts beyond it live on NVMe and are read on
-                  demand through the runtime's BatchedReader (one contiguous span per expert)
+                  demand: `expert_nvme_path` nvme_direct through the runtime's BatchedReader (one span
+                  per expert, each tensor sliced at its own header offset), nvme_mmap through the page
+                  cache (the checkpoint's mapping)
+    prefill       `prefill_moe_path` device: wide calls stream through a staging buffer (staging.py)
     slot cache    `slot_cache_experts` experts on the device, LRU over all layers, hit/miss counters;
                   filled at load with each layer's lowest expert ids (no routing statistics yet),
                   then by gathers. On a CPU-only host the device is the CPU and the cache still works.
@@ -30,6 +33,7 @@ from runtime.checkpoint.reader import Checkpoint
 from runtime.io_reader import BatchedReader
 from runtime.model.weights import expert_from_span, expert_raw, expert_span
 from runtime.plan import Plan
+from runtime.staging import PrefillStream
 
 
 class ReferenceExperts:
@@ -186,7 +190,11 @@ class PlacedExperts:
                         for k in range(cfg.dspark_num_layers)] if plan.dspark else []
         self.drafter_shared = [Fp4Bank.from_experts([expert_raw(ck, f"mtp.{k}.ffn.shared_experts")])
                                for k in range(cfg.dspark_num_layers)] if plan.dspark and cfg.n_shared_experts else []
-        self.reader = reader if reader is not None else (BatchedReader(depth=8) if total < L * E else None)
+        nvme_direct = total < L * E and plan.expert_nvme_path == "nvme_direct"
+        self.reader = reader if reader is not None else (BatchedReader(depth=8) if nvme_direct else None)
+        self.nvme_bytes = defaultdict(int)    # expert bytes read from the NVMe tier, by path
+        self.stream = (PrefillStream(plan, cfg, device, self.threads, slot_memory)
+                       if plan.prefill_moe_path == "device" else None)
         self.seconds = defaultdict(float)
         self.cache = SlotCache(plan.slot_cache_experts, cfg.hidden_size, cfg.moe_intermediate_size, device, self.threads)
         for k in range(min(plan.slot_cache_experts, L * E)):    # warm start: lowest ids of each layer
@@ -212,11 +220,16 @@ class PlacedExperts:
             return self.host[layer], list(experts)
         t0 = time.perf_counter()
         prefixes = [f"layers.{layer}.ffn.experts.{e}" for e in experts]
-        spans = [expert_span(self.ck, p) for p in prefixes]
-        blobs = self.reader.read(spans)
+        if self.plan.expert_nvme_path == "nvme_mmap":   # through the page cache: the checkpoint's mapping
+            raws = [expert_raw(self.ck, p) for p in prefixes]
+            bank = Fp4Bank.from_experts(raws)           # the copy is the read
+        else:                                           # O_DIRECT batched reads, sliced per tensor
+            spans = [expert_span(self.ck, p) for p in prefixes]
+            blobs = self.reader.read(spans)
+            bank = Fp4Bank.from_experts([expert_from_span(self.ck, p, b, s[1]) for p, b, s in zip(prefixes, blobs, spans)])
+        self.nvme_bytes[self.plan.expert_nvme_path] += len(experts) * self.cfg.expert_bytes
         self.seconds["nvme_read"] += time.perf_counter() - t0
-        raws = [expert_from_span(self.ck, p, b, s[1]) for p, b, s in zip(prefixes, blobs, spans)]
-        return Fp4Bank.from_experts(raws), list(range(len(experts)))
+        return bank, list(range(len(experts)))
 
     # ------------------------------------------------------------------ compute
     def _run(self, bank, x, ids, wts, key):
@@ -255,6 +268,10 @@ class PlacedExperts:
         ids_np, w_np = ids.cpu().numpy(), wts.detach().to(torch.float32).cpu().numpy()
         need = sorted(set(ids_np.reshape(-1).tolist()))        # a verify batch reads the union of its tokens' experts
         self.experts_read += len(need)
+        if self.stream is not None and self.stream.wants(len(x)):   # a wide prefill call: stream to the device
+            y = self.stream.run(self, layer, x, ids_np, w_np, need)
+            self.seconds["moe_layer_total"] += time.perf_counter() - t_layer
+            return torch.from_numpy(y).to(device=m.device, dtype=m.dtype)
         hits = [e for e in need if self.cache.lookup((layer, e)) is not None]
         miss = [e for e in need if e not in hits]
         self.cache.hits += len(hits)

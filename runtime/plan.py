@@ -30,11 +30,11 @@ class Plan:
     slot_cache_experts: int = 0           # device slot cache size (experts, all layers together), LRU
     cpu_threads: int = 0                  # CPU-MoE threads; 0 = one per physical core
     host_expert_budget_gib: float | None = None   # routed experts kept in host RAM; None = all; the rest on NVMe
-    expert_nvme_path: str = "nvme_direct"  # how experts beyond the budget are read
+    expert_nvme_path: str = "nvme_direct"  # experts beyond the budget: O_DIRECT batched reads | nvme_mmap: page cache
     prefill_chunk: int = 512              # prompt tokens per prefill chunk
     prefill_mode: str = "full"            # full (exact) | bounded_replay (inexact opt-in)
-    prefill_moe_path: str = "cpu"         # cpu: compute on the CPU; device: stream the banks to the device
-    prefill_buffer_mib: int = 0           # device staging buffer for the streamed prefill path
+    prefill_moe_path: str = "cpu"         # cpu: compute on the CPU; device: stream the banks to the device (runtime/staging.py)
+    prefill_buffer_mib: int = 0           # its device staging buffer (whole experts; >= one with prefill_moe_path device)
     max_context: int = 32768              # KV pool (tokens)
     vram_budget_gib: float | None = None  # enforced; None = the device's memory
     engram_placement: str = "host"        # host | nvme_direct | nvme_mmap

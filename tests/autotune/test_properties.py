@@ -71,6 +71,7 @@ def plans(draw, profile, fp: Footprint, wl: Workload):
               "engram_placement": draw(st.sampled_from(["host", "nvme_direct", "nvme_mmap"] if fp.engram_rows_total else ["host"])),
               "engram_io_depth": draw(st.sampled_from([1, 2, 4, 8, 16, 32, 64])),
               "engram_row_cache_mib": draw(st.sampled_from([0, 256, 1024, 4096])),
+              "prefill_buffer_experts": draw(st.sampled_from([1, 4, 16, 64])),
               "engram_scales_in_ram": draw(st.booleans()), "dspark": draw(st.booleans()), "draft_length": draw(st.integers(1, 5))}
     params["host_expert_budget_gib"] *= fp.routed_expert_bytes_total / 2**30
     return suggest_plan(optuna.trial.FixedTrial(params), profile, fp, wl, None, False)

@@ -92,3 +92,60 @@ def test_the_device_path_through_the_engine(tiny_dir, monkeypatch, plan):
     assert out.tokens == ref.tokens
     assert max((a.double().cpu() - b).abs().max().item() for a, b in zip(out.logits, ref.logits)) < 1e-3
     assert out.phases.get("device_moe", 0) > 0 or out.prefill_phases.get("device_moe", 0) > 0
+
+
+# ------------------------------------------------------------------------------ every knob acts
+def _prompt(tiny_dir, n=40):
+    from tokenizers import Tokenizer
+
+    from runtime.workload import make_prompt
+    return make_prompt(Tokenizer.from_file(str(tiny_dir / "tokenizer.json")), n, seed=5)
+
+
+@pytest.mark.parametrize("kernel", ["numba", "triton"])
+def test_prefill_moe_path_device_streams_through_its_buffer(tiny_dir, monkeypatch, kernel):
+    """prefill_moe_path=device: wide prefill calls stream every expert through the staging buffer
+    (phase prefill_stream) and compute on the device; output equals the CPU path's and the reference's."""
+    from runtime.engine import Engine
+    if kernel == "triton":
+        if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("no CUDA and triton already imported without TRITON_INTERPRET=1")
+        monkeypatch.setenv("DSV41_SLOT_KERNEL", "triton")
+    prompt = _prompt(tiny_dir)
+    ref = Engine(tiny_dir, reference=True).generate(prompt, 3, keep_logits=True)
+    cpu = Engine(tiny_dir, Plan(prefill_chunk=512))
+    dev = Engine(tiny_dir, Plan(prefill_chunk=512, prefill_moe_path="device", prefill_buffer_mib=1,
+                                host_expert_budget_gib=0.0004), device=DEV if kernel == "triton" else "cpu")
+    try:
+        a, b = cpu.generate(prompt, 3, keep_logits=True), dev.generate(prompt, 3, keep_logits=True)
+    finally:
+        cpu.close(), dev.close()
+    assert a.tokens == b.tokens == ref.tokens
+    assert max((x.double().cpu() - r).abs().max().item() for x, r in zip(b.logits, ref.logits)) < 1e-3
+    assert b.prefill_phases.get("prefill_stream", 0) > 0 and b.prefill_phases.get("device_moe", 0) > 0
+    assert a.prefill_phases.get("prefill_stream", 0) == 0 and a.prefill_phases.get("cpu_moe", 0) > 0
+    assert b.prefill_phases.get("cpu_moe", 0) < a.prefill_phases["cpu_moe"]      # prefill MoE left the CPU
+
+
+def test_a_buffer_smaller_than_an_expert_is_refused_naming_the_field(tiny_dir):
+    from runtime.checkpoint.reader import Checkpoint
+    with pytest.raises(ValueError, match="prefill_buffer_mib"):
+        PlacedExperts(Checkpoint(tiny_dir), Plan(prefill_moe_path="device", prefill_buffer_mib=0))
+
+
+def test_expert_nvme_path_changes_how_the_tier_is_read(tiny_dir):
+    """nvme_direct reads the tier through the O_DIRECT batched reader; nvme_mmap through the page cache
+    (the checkpoint's mapping). Same outputs; the bytes go by the path the plan names."""
+    from runtime.engine import Engine
+    prompt = _prompt(tiny_dir, 24)
+    out = {}
+    for path in ("nvme_direct", "nvme_mmap"):
+        e = Engine(tiny_dir, Plan(host_expert_budget_gib=0.0004, expert_nvme_path=path))
+        try:
+            out[path] = e.generate(prompt, 3)
+            nb = dict(e.experts.nvme_bytes)
+            assert set(nb) == {path} and nb[path] > 0, nb
+            assert (e.experts.reader is not None) == (path == "nvme_direct")
+        finally:
+            e.close()
+    assert out["nvme_direct"].tokens == out["nvme_mmap"].tokens
