@@ -29,6 +29,10 @@ from runtime.checkpoint.reader import Checkpoint
 from runtime.io_reader import BLOCK, BatchedReader
 
 
+class EngramReadError(OSError):
+    """An Engram row read failed; raised in the request that needed the rows, naming file and offset."""
+
+
 def gather_rows(reader: BatchedReader, path: str, base: int, rows: np.ndarray, nbytes: int) -> tuple[np.ndarray, int]:
     """Rows `rows` (sorted, unique) of a [rows, nbytes] tensor at file offset `base` -> (uint8 [n, nbytes],
     blocks read). Each 4 KiB block is read once however many rows share it; a row straddling two
@@ -77,9 +81,9 @@ class EngramStore:
         if self.placement != "nvme_direct":
             return
         for layer, ids in layer_rows.items():
-            ev = threading.Event()
-            self._pending[layer] = (ids, ev, {})
-            threading.Thread(target=self._fetch, args=(layer, ids, ev), daemon=True).start()
+            ev, result = threading.Event(), {}          # this request's own result: a late reader never
+            self._pending[layer] = (ids, ev, result)    # writes into a later request's
+            threading.Thread(target=self._fetch, args=(layer, ids, ev, result), daemon=True).start()
 
     def _gather(self, path, base, rows, nbytes) -> np.ndarray:
         out, blocks = gather_rows(self.reader, path, base, rows, nbytes)
@@ -87,7 +91,7 @@ class EngramStore:
         self.counters["bytes_read"] += blocks * BLOCK
         return out
 
-    def _fetch(self, layer, ids, ev):
+    def _fetch(self, layer, ids, ev, result):
         try:
             uniq, inv = np.unique(ids, return_inverse=True)
             D, DS = self.D, self.D // 32
@@ -115,7 +119,9 @@ class EngramStore:
             self.counters["rows_requested"] += ids.size
             self.counters["unique_rows"] += len(uniq)
             self.counters["cache_hits"] += int(hit.sum())
-            self._pending[layer][2].update(codes=codes[inv.reshape(-1)], scales=scales[inv.reshape(-1)])
+            result.update(codes=codes[inv.reshape(-1)], scales=scales[inv.reshape(-1)])
+        except Exception as e:                           # re-raised in the request that issued the read
+            result["error"] = e
         finally:
             ev.set()
 
@@ -130,8 +136,10 @@ class EngramStore:
             t0 = time.perf_counter()
             p[1].wait()
             self.counters["wait_s"] += time.perf_counter() - t0
-            codes, scales = torch.from_numpy(p[2]["codes"]), torch.from_numpy(p[2]["scales"])
             del self._pending[layer]
+            if "error" in p[2]:
+                raise EngramReadError(f"Engram table of layer {layer}: {p[2]['error']}") from p[2]["error"]
+            codes, scales = torch.from_numpy(p[2]["codes"]), torch.from_numpy(p[2]["scales"])
         else:
             idx = torch.from_numpy(flat)
             codes, scales = self.codes[layer][idx], self.scales[layer][idx]

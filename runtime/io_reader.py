@@ -12,6 +12,7 @@ all use this reader, so the figure the profiler reports is the one serving sees.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import threading
@@ -46,6 +47,14 @@ def _pread_batch(fds, base, offs, dests, sizes, got, ns, timed, ts):
             ns[i] = ts[0] * 1_000_000_000 + ts[1] - t0
 
 BLOCK = 4096
+
+
+class ReadError(OSError):
+    """A read failed or came back short; the message names the file, the offset and the length."""
+
+    def __str__(self):
+        return self.strerror
+
 PIECE = 1 << 20          # large requests are split into 1 MiB pieces so depth applies to them too
 
 
@@ -138,16 +147,24 @@ class BatchedReader:
                 path = path_of_fd[int(p_fd[i])]
                 dst = mv[p_dst[i]: p_dst[i] + p_len[i]]
                 try:
-                    self._read_one(fds[path], int(p_off[i]), int(p_len[i]), dst)
+                    try:
+                        done = self._read_one(fds[path], int(p_off[i]), int(p_len[i]), dst)
+                    except OSError as e:
+                        if e.errno != 22 or self.path != "o_direct":
+                            raise
+                        with self._lock:                        # EINVAL: no O_DIRECT on this filesystem
+                            if fds[path] in self._fds.values():
+                                self._fallback(path, e)
+                            fds[path] = self._fd(path)
+                        done = self._read_one(fds[path], int(p_off[i]), int(p_len[i]), dst)
                 except OSError as e:
-                    if e.errno != 22 or self.path != "o_direct":
-                        raise
-                    with self._lock:                        # EINVAL: no O_DIRECT on this filesystem
-                        if fds[path] in self._fds.values():
-                            self._fallback(path, e)
-                        fds[path] = self._fd(path)
-                    self._read_one(fds[path], int(p_off[i]), int(p_len[i]), dst)
-                dst.release()
+                    raise ReadError(e.errno, f"{os.path.basename(path)}: reading {int(n[i])} B at offset {int(o[i])}: "
+                                             f"{e.strerror or e}") from e
+                finally:
+                    dst.release()
+                if done < o[i] + n[i] - p_off[i]:            # the bytes asked for end past the end of the file
+                    raise ReadError(errno.EIO, f"{os.path.basename(path)}: reading {int(n[i])} B at offset {int(o[i])}: "
+                                               f"the file ends at {int(p_off[i]) + done} B (truncated?)")
             if timed:
                 latencies.extend((ns * 1e-9).tolist())
         per = -(-len(r) // self.depth)
