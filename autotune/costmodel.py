@@ -10,7 +10,7 @@ Terms (units: bytes, seconds, GB/s = 1e9 B/s; every one documented where compute
                   hybrid:  max(f * Bm / gather_c, (1 - f) * Bm / cpu_c)  (contended figures: both at once)
                   + L * dispatch_fixed                               (LESSONS 3: per-layer submit/sync)
   dense/attn      dense_bytes_per_token / gpu_mem_gbs on a GPU host; on a CPU host the runtime's path:
-                  (4 x fp8 dense bytes + 2 x bf16 head bytes) / dense_path_gbs (fp32 copies; the
+                  runtime.budget.dense_path_bytes (fp8 as stored + 2 x bf16 head) / dense_path_gbs (the
                   profiler times the runtime's own dense path per token and states it in these bytes;
                   used only at the geometry it was timed at, else DRAM stream read)
                   + shared-expert bytes / CPU-MoE GB/s
@@ -38,7 +38,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from runtime.profile import cpu_moe_figure, figure
-from runtime.budget import staging_bytes
+from runtime.budget import dense_path_bytes, engram_host_bytes, host_bytes, staging_bytes
 from runtime.checkpoint.footprint import Footprint
 from runtime.plan import Plan
 from runtime.workload import Workload
@@ -171,12 +171,9 @@ def predict(plan: Plan, profile: dict, fp: Footprint, wl: Workload, allow_inexac
         why.append(f"VRAM {vram / GIB:.2f} GiB exceeds the budget {vram_cap / GIB:.2f} GiB less {VRAM_MARGIN:.0%} margin "
                    f"(indexer peak {peak / GIB:.2f} GiB at chunk {plan.prefill_chunk})")
     rows = fp.engram_rows_total
-    engram_host = {"host": fp.engram_bytes_total,
-                   "nvme_direct": (rows * 8 if plan.engram_scales_in_ram else 0) + plan.engram_row_cache_mib * (1 << 20),
-                   "nvme_mmap": (rows * 8 if plan.engram_scales_in_ram else 0)}[plan.engram_placement] if rows else 0
-    host_dense = 0 if gpu else fp.dense_bytes_per_token + fp.bytes_by_class["embeddings"]
+    engram_host = engram_host_bytes(plan, fp)
     pinned = budget if gpu and plan.moe_strategy != "cpu" else 0
-    host = budget + engram_host + host_dense + fp.bytes_by_class["drafter"] * plan.dspark + OS_HEADROOM
+    host = host_bytes(plan, fp, dense_on_host=not gpu) + OS_HEADROOM       # the runtime's own accounting
     ram = profile["host"]["hard"]["ram_gib"] * GIB
     if host > ram:
         why.append(f"host RAM {host / GIB:.1f} GiB exceeds {ram / GIB:.1f} GiB (routed experts resident "
@@ -209,16 +206,15 @@ def predict(plan: Plan, profile: dict, fp: Footprint, wl: Workload, allow_inexac
     dense_bw = (gpu_mem if gpu else dram) * 1e9
     if gpu:
         t_dense = fp.dense_bytes_per_token / dense_bw
-    else:       # the runtime's CPU path: fp32 copies of the fp8 dense weights (4x their bytes, 2x the bf16
-        #         head) through torch matmuls, the shared expert on the CPU-MoE kernel
-        shared, fp8_dense = fp.bytes_by_class["shared_expert"], fp.bytes_by_class["dense"]
-        rest = fp.dense_bytes_per_token - shared - fp8_dense
+    else:       # the runtime's CPU path: the fp8 kernel over the weights as stored, the bf16 head as
+        #         float32 (runtime.budget.dense_path_bytes), the shared expert on the CPU-MoE kernel
+        shared = fp.bytes_by_class["shared_expert"]
         # per-op overheads dominate at toy sizes, so the figure only stands for the geometry it was timed at
         dp = profile["measurements"].get("dense_path_gbs") or {}
         path = figure(profile, "dense_path_gbs") if dp.get("geometry") == fp.geometry_hash else None
         if path is None:
             notes.append("dense_path_gbs not measured at this model's geometry: the dense path is costed at DRAM stream read")
-        t_dense = (4 * fp8_dense + 2 * rest) / ((path or dram) * 1e9) + shared / (cpu_gbs * 1e9)
+        t_dense = dense_path_bytes(fp) / ((path or dram) * 1e9) + shared / (cpu_gbs * 1e9)
     t_moe = moe_time(K)
     t_layer = (t_moe + t_dense) / max(L, 1)
     t_engram = 0.0

@@ -24,6 +24,7 @@ from hostinfo.fingerprint import fingerprint
 from hostinfo.measure import Measurement, measure
 from kernels.stream import dram_copy, dram_stream_read
 from runtime.profile import SCHEMA, io_path
+from runtime.budget import dense_host_bytes, dense_path_bytes
 from runtime.checkpoint.reader import Checkpoint
 from runtime.plan import Plan
 
@@ -57,23 +58,22 @@ class _NoExperts:
 def _dense_path_gbs(ck: Checkpoint, quick: bool) -> Measurement:
     """One decode token through the runtime's own dense path at the served geometry (attention, norms,
     router, Engram gate over mapped rows, LM head; experts stubbed out), expressed as the bytes that
-    path reads per token (fp32 copies: 4x the fp8 dense bytes, 2x the bf16 head) per second, so the
-    cost model can carry it to another geometry."""
+    path reads per token (runtime.budget.dense_path_bytes: fp8 as stored, the bf16 head as float32)
+    per second, so the cost model can carry it to another geometry."""
     from runtime.engine import load_cmap
     from runtime.engram_store import EngramStore
     from runtime.model.transformer import Model
     from runtime.model.weights import load_dense
     cfg, fp = ck.config, ck.footprint()
     engram = EngramStore(ck, "nvme_mmap") if cfg.engram_layer_ids else None
-    model = Model(cfg, load_dense(ck, torch.float32, "cpu"), _NoExperts(), engram, load_cmap(ck), torch.float32, "cpu")
+    model = Model(cfg, load_dense(ck, torch.float32, "cpu", keep_fp8=True), _NoExperts(), engram, load_cmap(ck), torch.float32, "cpu")
     repeats = 5 if quick else 15
     st = model.new_state(32 + repeats + 4)
     flush = torch.empty(min(2 * llc_bytes(), probe_budget_bytes() // 2) // 4)   # in a decode step the MoE streams evict the dense
     with torch.inference_mode():                              # weights from the LLC: so does this, between steps
         model.forward(st, [k % cfg.vocab_size for k in range(1, 17)])
         m = measure(lambda: model.forward(st, [7]), repeats=repeats, warmup=2, setup=lambda: flush.add_(1.0))
-    fp8_dense, shared = fp.bytes_by_class["dense"], fp.bytes_by_class["shared_expert"]
-    path_bytes = 4 * fp8_dense + 2 * (fp.dense_bytes_per_token - shared - fp8_dense)
+    path_bytes = dense_path_bytes(fp)
     return m.map(lambda s: path_bytes / s / 1e9, "GB/s")
 
 
@@ -225,11 +225,11 @@ def _cpu_moe_sweep(cfg, cores: int, quick: bool, step) -> tuple[list, tuple | No
 
 
 def _dense_path(ck: Checkpoint, quick: bool) -> dict:
-    fp32_dense = 4 * ck.footprint().dense_bytes_per_token
+    held = dense_host_bytes(ck.footprint())
     if cuda_available():
         return _skipped("the dense path runs on the GPU on this host")
-    if fp32_dense > probe_budget_bytes():
-        return _skipped(f"fp32 dense weights ({fp32_dense / 2**30:.1f} GiB) exceed the probe memory budget "
+    if held > probe_budget_bytes():
+        return _skipped(f"the dense weights as held ({held / 2**30:.1f} GiB) exceed the probe memory budget "
                         f"({probe_budget_bytes() / 2**30:.1f} GiB)")
     return _fig(_dense_path_gbs(ck, quick), geometry=ck.config.geometry_hash())
 

@@ -18,6 +18,7 @@ import math
 import optuna
 
 from autotune.costmodel import OS_HEADROOM, MissingFigure, Prediction, predict
+from runtime.budget import dense_host_bytes
 from runtime.checkpoint.footprint import Footprint
 from runtime.plan import Plan
 from runtime.workload import Workload
@@ -52,7 +53,7 @@ def suggest_plan(trial: optuna.Trial, profile: dict, fp: Footprint, wl: Workload
     # experts kept in RAM never exceed what the host's RAM leaves after the OS headroom and (no GPU) the
     # dense weights: sampling past it only finds infeasible plans (24 GiB host, V4.1: 99% of 0-246 GiB)
     ram_gib = float(profile["host"]["hard"].get("ram_gib") or routed_gib)
-    fixed = OS_HEADROOM + (0 if gpu else fp.dense_bytes_per_token + fp.bytes_by_class["embeddings"])
+    fixed = OS_HEADROOM + (0 if gpu else dense_host_bytes(fp))
     budget_hi = min(routed_gib, ram_gib - fixed / 2**30)
     kw = dict(
         moe_strategy=trial.suggest_categorical("moe_strategy", ["cpu", "offload", "hybrid"] if gpu else ["cpu"]),

@@ -36,15 +36,14 @@ def _objective(row, ttft_budget):
 
 
 def fit_together(ck, plans) -> bool:
-    """Can every plan's engine stay loaded at once? Each needs its host banks, its dense weights in fp32
-    (4 B per stored byte, drafter included) and, with an NVMe tier, transient buffers for one layer's
-    experts read twice over; all within half of the available RAM."""
+    """Can every plan's engine stay loaded at once? Each holds what runtime.budget.host_bytes counts
+    (dense as the CPU runtime holds it included) and, with an NVMe tier, transient buffers for one
+    layer's experts read twice over; all within half of the available RAM."""
     from hostinfo import ram_available_bytes
     from runtime.budget import host_bytes
     fp = ck.footprint()
-    dense = 4 * (fp.dense_bytes_per_token + fp.bytes_by_class["embeddings"] + fp.bytes_by_class["drafter"])
     layer = fp.routed_expert_bytes_total // max(fp.num_layers, 1)
-    need = sum(host_bytes(p, fp) + dense + (2 * layer if p.host_expert_budget_gib is not None else 0) for p in plans)
+    need = sum(host_bytes(p, fp, dense_on_host=True) + (2 * layer if p.host_expert_budget_gib is not None else 0) for p in plans)
     return need < 0.5 * ram_available_bytes()
 
 

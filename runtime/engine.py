@@ -88,13 +88,13 @@ class Engine:
         self.cfg = self.ck.config
         self.plan = plan or Plan()
         self.reference = reference
-        if not reference:
-            check_plan(self.plan, self.ck.footprint())
         dtype = torch.float64 if reference else torch.float32
         # dense weights and attention on the device (CUDA when present, else the CPU)
         self.device = "cpu" if reference else (device or ("cuda" if cuda_available() else "cpu"))
+        if not reference:
+            check_plan(self.plan, self.ck.footprint(), dense_on_host=self.device == "cpu")
         t0 = time.perf_counter()
-        dense = load_dense(self.ck, dtype, self.device)
+        dense = load_dense(self.ck, dtype, self.device, keep_fp8=not reference and self.device == "cpu")
         self.experts = ReferenceExperts(self.ck) if reference else PlacedExperts(self.ck, self.plan, device=self.device)
         p = self.plan
         self.engram = (EngramStore(self.ck) if reference else

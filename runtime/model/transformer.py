@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from kernels.engram_hash import engram_rows, slot_ranges, slot_seeds
+from kernels.fp8_dense import Fp8Weight, fp8_linear
 from runtime.config import ModelConfig
 
 
@@ -100,7 +101,10 @@ class Model:
                         {s: z(n, c.index_head_dim) for s in c.kv_source_layers})
 
     def L(self, name, x):
-        return x @ self.w[name + ".weight"].T
+        w = self.w[name + ".weight"]
+        if isinstance(w, Fp8Weight):                       # fp8 as stored: decoded in the kernel
+            return fp8_linear(x, w).to(self.dtype)
+        return x @ w.T
 
     # ------------------------------------------------------------------ forward
     def forward(self, st: SeqState, tokens: list[int], decoder_start: int = 0) -> torch.Tensor | None:

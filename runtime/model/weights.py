@@ -1,21 +1,24 @@
 """Dense weights in compute form, and the experts' raw ds_fp4 views.
 
-`load_dense(ck, dtype, device)` returns every non-expert, non-Engram-table tensor by name: fp8 linears
-dequantized with the config's block size (the scale tensors are consumed), BF16/F32 as `dtype`.
-(On a CUDA device the fp8 weights could stay in fp8 behind kernels.triton_gpu.fp8_block_matmul; the
-CPU path dequantizes once at load.) Experts are never dequantized here: `expert_raw` hands the
-checkpoint's codes and scales to the placement layer, which builds banks from them.
+`load_dense(ck, dtype, device, keep_fp8)` returns every non-expert, non-Engram-table tensor by name.
+With keep_fp8 (the runtime on the CPU) fp8 linears stay as stored, codes + E8M0 block scales in an
+`Fp8Weight` (1 B per weight, computed by kernels/fp8_dense.py); otherwise (the float64 reference, and
+the CUDA path for now) they are dequantized with the config's block size. BF16/F32 become `dtype`.
+Experts are never dequantized here: `expert_raw` hands the checkpoint's codes and scales to the
+placement layer, which builds banks from them.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kernels.formats import dequantize_fp8_block
+from kernels.fp8_dense import Fp8Weight
 from runtime.checkpoint.layout import tensor_specs
 from runtime.checkpoint.reader import Checkpoint
 
 
-def load_dense(ck: Checkpoint, dtype=torch.float32, device="cpu") -> dict[str, torch.Tensor]:
+def load_dense(ck: Checkpoint, dtype=torch.float32, device="cpu", keep_fp8: bool = False) -> dict:
     cfg, out = ck.config, {}
     for s in tensor_specs(cfg):
         if s.cls in ("routed_experts", "engram_tables") or ".experts." in s.name or ".shared_experts." in s.name:
@@ -23,9 +26,15 @@ def load_dense(ck: Checkpoint, dtype=torch.float32, device="cpu") -> dict[str, t
         if s.name.endswith(".scale"):
             continue
         t = ck.tensor(s.name)
+        if s.dtype == "F8_E4M3" and keep_fp8:          # anonymous copies, as stored (not the file mapping)
+            out[s.name] = Fp8Weight(np.array(ck.raw(s.name)).reshape(s.shape), np.array(ck.raw(s.name[:-7] + ".scale"))
+                                    .reshape(ck.infos[s.name[:-7] + ".scale"].shape), tuple(cfg.fp8_block))
+            continue
         if s.dtype == "F8_E4M3":
             scale = ck.tensor(s.name[:-7] + ".scale")
             t = dequantize_fp8_block(t, scale, cfg.fp8_block, dtype)
+        elif s.name == "embed.weight" and keep_fp8:    # looked up a few rows at a time: kept as stored
+            t = t.clone()
         elif s.dtype == "I32":
             t = t.to(torch.int64)
         else:

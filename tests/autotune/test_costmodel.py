@@ -111,7 +111,7 @@ def test_cpu_only_host_gets_cpu_plans(epyc, v41):
 
 
 def test_cpu_host_dense_term_is_the_runtime_path(epyc, v41):
-    """On a CPU host the dense term is (4 x fp8 dense + 2 x head) bytes at the measured dense-path rate,
+    """On a CPU host the dense term is (fp8 dense as stored + 2 x head) bytes at the measured dense-path rate,
     plus the shared expert on the CPU-MoE kernel; without the figure it falls back to DRAM, and says so."""
     cpu = copy.deepcopy(epyc)
     cpu["host"]["hard"].update(gpu_name="", gpu_vram_gib=0)
@@ -126,7 +126,7 @@ def test_cpu_host_dense_term_is_the_runtime_path(epyc, v41):
     fp8, shared = v41.bytes_by_class["dense"], v41.bytes_by_class["shared_expert"]
     head = v41.dense_bytes_per_token - fp8 - shared
     moe_gbs = r.terms["cpu_moe_gbs"]
-    assert r.terms["decode_dense_s"] == pytest.approx((4 * fp8 + 2 * head) / 10e9 + shared / (moe_gbs * 1e9))
+    assert r.terms["decode_dense_s"] == pytest.approx((fp8 + 2 * head) / 10e9 + shared / (moe_gbs * 1e9))
     assert r.decode_tok_s < fallback.decode_tok_s
 
 

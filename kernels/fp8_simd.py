@@ -1,0 +1,96 @@
+"""SIMD building block for FP8 E4M3 weights with E8M0 block scales on the CPU (numba intrinsic, LLVM IR).
+
+E4M3 is decoded in registers with integer operations, no table: `lanes` code bytes are widened to
+<lanes x i32>; a normal code (exponent bits != 0) becomes the float32 with the same mantissa and the
+exponent rebiased (bits (c & 0x7F) << 20, plus 120 << 23); a subnormal one (exponent bits 0) is
+(c & 7) * 2^-9; the sign moves to bit 31. Exact for every finite E4M3 value (0x7F/0xFF, NaN in E4M3,
+decode to 480: checkpoints hold none; the loader checks).
+
+`fp8_dot(R, T, lanes, q, q_off, q_stride, scales, s_off, s_stride, x, x_off, x_stride, stab, nblocks,
+         bk, out, o_off, o_stride, or_stride)` (R, T, lanes, bk literals)
+computes out[o_off + j*o_stride + r*or_stride] = sum_b stab[scales[s_off + r*s_stride + b]] *
+sum_{i < bk} e4m3(q[q_off + r*q_stride + b*bk + i]) * x[x_off + j*x_stride + b*bk + i]
+for r < R rows, j < T inputs: each row's codes are decoded once for all T inputs, one vector
+accumulator per (row, input), one ordered reduction at the end (deterministic, batch-invariant).
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from kernels.fp4_simd import PREFETCH, _data_ptrs, _literal, _splat, f32, i8, i32, i64
+
+
+def _decode_e4m3(builder, c, lanes):
+    """<lanes x i32> codes (0..255) -> <lanes x float> values."""
+    vi, vf = ir.VectorType(i32, lanes), ir.VectorType(f32, lanes)
+
+    def k(v):
+        return ir.Constant(vi, [v] * lanes)
+    norm = builder.bitcast(builder.add(builder.shl(builder.and_(c, k(0x7F)), k(20)), k(120 << 23)), vf)
+    sub = builder.fmul(builder.sitofp(builder.and_(c, k(7)), vf), ir.Constant(vf, [2.0 ** -9] * lanes))
+    is_sub = builder.icmp_unsigned("==", builder.and_(c, k(0x78)), k(0))
+    mag = builder.select(is_sub, sub, norm)
+    sign = builder.shl(builder.and_(c, k(0x80)), k(24))
+    return builder.bitcast(builder.or_(builder.bitcast(mag, vi), sign), vf)
+
+
+@intrinsic
+def fp8_dot(typingctx, R_t, T_t, lanes_t, q, q_off, q_stride, scales, s_off, s_stride, x, x_off, x_stride,
+            stab, nblocks, bk_t, out, o_off, o_stride, or_stride):
+    R, T, lanes, bk = _literal(R_t), _literal(T_t), _literal(lanes_t), _literal(bk_t)
+    if None in (R, T, lanes, bk):
+        return None
+    if lanes not in (8, 16) or bk % lanes:
+        raise TypeError("lanes must be 8 (AVX2) or 16 (AVX-512) and divide the block width")
+    sig = types.void(R_t, T_t, lanes_t, q, q_off, q_stride, scales, s_off, s_stride, x, x_off, x_stride,
+                     stab, nblocks, bk_t, out, o_off, o_stride, or_stride)
+
+    def codegen(context, builder, signature, args):
+        (_, _, _, _, q_off_v, q_stride_v, _, s_off_v, s_stride_v, _, x_off_v, x_stride_v,
+         _, nb, _, _, o_off_v, o_stride_v, or_stride_v) = args
+        at = signature.args[3:]
+        vf, vb, vi = ir.VectorType(f32, lanes), ir.VectorType(i8, lanes), ir.VectorType(i32, lanes)
+        qbase, sbase, xbase, tbase, obase = _data_ptrs(context, builder, at, args[3:], (0, 3, 6, 9, 12))
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{lanes}f32")
+        prefetch = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
+        accs = [[cgutils.alloca_once(builder, vf) for _ in range(T)] for _ in range(R)]
+        for row in accs:
+            for a in row:
+                builder.store(ir.Constant(vf, [0.0] * lanes), a)
+        rows_q = [builder.add(q_off_v, builder.mul(q_stride_v, ir.Constant(i64, r))) for r in range(R)]
+        rows_s = [builder.add(s_off_v, builder.mul(s_stride_v, ir.Constant(i64, r))) for r in range(R)]
+        toks_x = [builder.add(x_off_v, builder.mul(x_stride_v, ir.Constant(i64, j))) for j in range(T)]
+        with cgutils.for_range(builder, nb) as loop:
+            b = loop.index
+            kb = builder.mul(b, ir.Constant(i64, bk))
+            svs = []
+            for r in range(R):
+                sb = builder.load(builder.gep(sbase, [builder.add(rows_s[r], b)]))
+                svs.append(_splat(builder, builder.load(builder.gep(tbase, [builder.zext(sb, i64)])), lanes))
+            for h in range(bk // lanes):
+                k0 = builder.add(kb, ir.Constant(i64, h * lanes))
+                xs = [builder.load(builder.bitcast(builder.gep(xbase, [builder.add(toks_x[j], k0)]), vf.as_pointer()), align=4)
+                      for j in range(T)]
+                for r in range(R):
+                    qp = builder.gep(qbase, [builder.add(rows_q[r], k0)])
+                    if h == 0:
+                        builder.call(prefetch, [builder.gep(qp, [ir.Constant(i64, PREFETCH)]),
+                                                ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+                    w = _decode_e4m3(builder, builder.zext(builder.load(builder.bitcast(qp, vb.as_pointer()), align=1), vi), lanes)
+                    for j in range(T):
+                        p = builder.fmul(w, xs[j])
+                        builder.store(builder.call(fma, [p, svs[r], builder.load(accs[r][j])]), accs[r][j])
+        red = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, vf]),
+                                             f"llvm.vector.reduce.fadd.v{lanes}f32")
+        for r in range(R):
+            for j in range(T):
+                total = builder.call(red, [ir.Constant(f32, 0.0), builder.load(accs[r][j])])
+                o = builder.add(builder.add(o_off_v, builder.mul(o_stride_v, ir.Constant(i64, j))),
+                                builder.mul(or_stride_v, ir.Constant(i64, r)))
+                builder.store(total, builder.gep(obase, [o]))
+        return context.get_dummy_value()
+    return sig, codegen

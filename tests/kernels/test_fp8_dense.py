@@ -1,0 +1,90 @@
+"""The FP8 dense kernel against the float64 dequantized reference: every ISA path this CPU can run,
+GEMV and tile widths, odd shapes, batch and thread invariance."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from hostinfo import isa
+from kernels.fp8_dense import TILE_MIN_TOKENS, Fp8Weight, fp8_linear, simd_ok
+
+RTOL = 1e-5          # fp32 accumulation of <= a few hundred products against float64
+
+
+def _weight(seed, N, K, block=(32, 32)):
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, 256, (N, K)).astype(np.uint8)
+    q[(q & 0x7F) == 0x7F] = 0x38                                 # no NaN codes (checkpoints hold none)
+    q[0, :8] = np.arange(8)                                      # subnormals and +0 are decoded too
+    q[1, :8] = 0x80 | np.arange(8)                               # and their negatives, -0
+    s = (118 + rng.integers(0, 10, (-(-N // block[0]), -(-K // block[1])))).astype(np.uint8)
+    return Fp8Weight(q, s, block)
+
+
+def _rel(y, ref):
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("N,K", [(96, 160), (100, 64), (37, 70), (64, 4096)])
+@pytest.mark.parametrize("T", [1, 2, 3, 5, TILE_MIN_TOKENS, 40])
+def test_matches_the_float64_reference(N, K, T):
+    w = _weight(N * K + T, N, K)
+    x = torch.randn(T, K, generator=torch.Generator().manual_seed(T))
+    assert _rel(fp8_linear(x, w), x.double() @ w.reference().T) < RTOL
+
+
+def test_every_e4m3_code_decodes_exactly():
+    """One row per code: W = e4m3(code) * 1, x = e_k picks single weights out exactly."""
+    codes = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)
+    K = 32
+    q = np.zeros((len(codes), K), np.uint8)
+    q[:, 0] = codes
+    w = Fp8Weight(q, np.full((-(-len(codes) // 32), 1), 127, np.uint8), (32, 32))
+    x = torch.zeros(1, K)
+    x[0, 0] = 1.0
+    want = torch.from_numpy(codes).view(torch.float8_e4m3fn).to(torch.float32)
+    assert torch.equal(fp8_linear(x, w)[0], want) and simd_ok(w) == (isa() != "scalar")
+
+
+def test_a_token_gives_the_same_bits_alone_or_in_a_batch():
+    w = _weight(3, 128, 256)
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(1))
+    batch = fp8_linear(x, w)
+    for t in range(7):
+        assert torch.equal(batch[t], fp8_linear(x[t:t + 1], w)[0])
+
+
+def test_bad_shapes_are_named():
+    with pytest.raises(ValueError, match="expected uint8 codes"):
+        Fp8Weight(np.zeros((64, 64), np.uint8), np.zeros((1, 2), np.uint8), (32, 32))
+    with pytest.raises(ValueError, match="x has 32 inputs"):
+        fp8_linear(torch.zeros(1, 32), _weight(0, 64, 64))
+
+
+SCRIPT = """
+import numpy as np, sys, torch
+sys.path.insert(0, {tests!r})
+from test_fp8_dense import _weight
+from kernels.fp8_dense import fp8_linear
+w = _weight(7, 96, 320)
+x = torch.randn(3, 320, generator=torch.Generator().manual_seed(2))
+ys = [fp8_linear(x, w, threads=t).numpy() for t in (1, 3, 4)]
+ref = (x.double() @ w.reference().T).numpy()
+print(float(np.linalg.norm(ys[0] - ref) / np.linalg.norm(ref)), all(np.array_equal(ys[0], y) for y in ys))
+"""
+
+
+@pytest.mark.parametrize("path", ["avx512", "avx2", "scalar"])
+def test_every_isa_path_and_thread_count(path):
+    order = ["scalar", "avx2", "avx512"]
+    if order.index(path) > order.index(isa()):
+        pytest.skip(f"this CPU's widest path is {isa()}, not {path}")
+    env = dict(os.environ, DSV41_CPU_ISA=path, NUMBA_NUM_THREADS="4")
+    out = subprocess.run([sys.executable, "-c", SCRIPT.format(tests=os.path.dirname(__file__))], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    err, same = out.stdout.split()
+    assert float(err) < RTOL and same == "True"
