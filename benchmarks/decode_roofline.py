@@ -7,8 +7,8 @@ decode: plan `cpu`, all threads, warm. Rooflines:
                     (routed experts K*L*expert + shared + dense/attention + head, as stored)
   kernel-bound    = 1 / sum over phases of (that phase's bytes per token / its kernel's GB/s), each
                     kernel measured standalone here: the CPU-MoE kernel (6 fresh experts), the shared
-                    expert through the same kernel, the dense matmuls as torch fp32 GEMV over the
-                    runtime's dequantized weights (4 B per fp8 parameter)
+                    expert through the same kernel, the dense linears through the runtime's own
+                    kernels (the FP8 kernel over the weights as stored; torch for the float32 head)
   decode_kernel_ratio = measured / kernel-bound: what the runtime adds on top of its kernels
 prefill: one chunk over the prompt; roofline = 1 / max(full-pass bytes / stream, FLOP / kernel FLOP/s
 at the prompt's width) per chunk. The mini checkpoint is made (about 2 minutes) if absent.
@@ -31,6 +31,7 @@ from hostinfo import usable_cores  # noqa: E402
 from hostinfo.measure import measure  # noqa: E402
 from kernels.stream import dram_stream_read  # noqa: E402
 from kernels.cpu_moe import Fp4Bank, expert_ffn  # noqa: E402
+from kernels.fp8_dense import Fp8Weight, fp8_linear  # noqa: E402
 from runtime.checkpoint.reader import Checkpoint  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
 from runtime.plan import Plan  # noqa: E402
@@ -75,10 +76,11 @@ def main(argv=None):
     m = measure(moe_step, repeats=12, warmup=2)
     kernel_gbs = cfg.num_experts_per_tok * fp.expert_bytes / m.median / 1e9
     dense = [w for n, w in engine.model.w.items()                # what a decoded token multiplies (not the drafter)
-             if w.dim() == 2 and n != "embed.weight" and not n.startswith("mtp.") and ".tid2eid" not in n]
-    dense_bytes_rt = sum(w.numel() * w.element_size() for w in dense)
+             if len(w.shape) == 2 and n != "embed.weight" and not n.startswith("mtp.") and ".tid2eid" not in n]
+    dense_bytes_rt = sum(w.nbytes if isinstance(w, Fp8Weight) else w.numel() * w.element_size() for w in dense)
     xs = [torch.randn(1, w.shape[1]) for w in dense]
-    md = measure(lambda: [xx @ w.T for xx, w in zip(xs, dense)], repeats=10, warmup=2)
+    md = measure(lambda: [fp8_linear(xx, w) if isinstance(w, Fp8Weight) else xx @ w.T for xx, w in zip(xs, dense)],
+                 repeats=10, warmup=2)
     dense_gbs = dense_bytes_rt / md.median / 1e9
     routed_b, shared_b = fp.routed_bytes_per_decode_token, fp.bytes_by_class["shared_expert"]
     t_kernel = routed_b / (kernel_gbs * 1e9) + shared_b / (kernel_gbs * 1e9) + dense_bytes_rt / (dense_gbs * 1e9)
@@ -97,7 +99,7 @@ def main(argv=None):
            "decode_kernel_bound_tok_s": 1 / t_kernel, "decode_kernel_ratio": decode * t_kernel,
            "prefill_tok_s": prefill, "prefill_roofline_tok_s": prefill_roof, "prefill_ratio": prefill / prefill_roof,
            "stream_gbs": stream.median, "cpu_moe_kernel_gbs": kernel_gbs, "dense_gemv_gbs": dense_gbs,
-           "bytes_per_token_footprint": bytes_tok, "dense_bytes_runtime_fp32": dense_bytes_rt,
+           "bytes_per_token_footprint": bytes_tok, "dense_bytes_runtime": dense_bytes_rt,
            "prefill_bound": "flop" if t_flop > t_bytes else "bytes", "threads": T,
            "phases_per_token_s": {k: v / (args.max_tokens - 1) for k, v in runs[-1].phases.items()}}
     print(f"decode  {decode:6.2f} tok/s | roofline {roof:6.2f} (stream {stream.median:.1f} GB/s / {bytes_tok / 1e9:.3f} GB) "
