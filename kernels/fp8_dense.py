@@ -21,7 +21,7 @@ import torch
 from numba import njit, prange
 
 from kernels.cpu_moe import CACHE, LANES, STAB
-from kernels.fp8_simd import fp8_dot
+from kernels.fp8_simd import fp8_dequant, fp8_dot
 from kernels.threads import set_threads
 
 TILE_MIN_TOKENS = 16
@@ -108,12 +108,23 @@ def _gemv_scalar(q, s, bn, bk, x, out, lut, stab):
 
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _dequant_rows(q, s, bn, bk, r0, out, lut, stab):
-    """out[i, :] = row r0 + i of W as float32."""
+    """out[i, :] = row r0 + i of W as float32 (scalar path)."""
     R, K = out.shape
     for i in prange(R):
         n = r0 + i
         for k in range(K):
             out[i, k] = lut[q[n, k]] * stab[s[n // bn, k // bk]]
+
+
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _dequant_rows_simd(q, s, bn, bk, r0, out, stab):
+    """The same, decoded in registers (K % bk == 0, bk == 32)."""
+    R, K = out.shape
+    sK = s.shape[1]
+    qf, sf, of = q.reshape(-1), s.reshape(-1), out.reshape(-1)
+    for i in prange(R):
+        n = r0 + i
+        fp8_dequant(LANES, qf, n * K, sf, (n // bn) * sK, stab, K // bk, 32, of, i * K)
 
 
 def simd_ok(w: Fp8Weight) -> bool:
@@ -141,6 +152,9 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, threads: int | None = None) -> tor
     tile = np.empty((min(TILE_ROWS, N), K), np.float32)
     for r0 in range(0, N, TILE_ROWS):
         r = min(TILE_ROWS, N - r0)
-        _dequant_rows(w.q, w.scale, bn, bk, r0, tile[:r], E4M3, STAB)
+        if simd_ok(w):
+            _dequant_rows_simd(w.q, w.scale, bn, bk, r0, tile[:r], STAB)
+        else:
+            _dequant_rows(w.q, w.scale, bn, bk, r0, tile[:r], E4M3, STAB)
         y[:, r0:r0 + r] = xt @ torch.from_numpy(tile[:r]).T
     return y

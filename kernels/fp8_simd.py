@@ -94,3 +94,33 @@ def fp8_dot(typingctx, R_t, T_t, lanes_t, q, q_off, q_stride, scales, s_off, s_s
                 builder.store(total, builder.gep(obase, [o]))
         return context.get_dummy_value()
     return sig, codegen
+
+
+@intrinsic
+def fp8_dequant(typingctx, lanes_t, q, q_off, scales, s_off, stab, nblocks, bk_t, out, o_off):
+    """fp8_dequant(lanes, q, q_off, scales, s_off, stab, nblocks, bk, out, o_off): one row of
+    nblocks * bk weights decoded to float32 (prefill tiles)."""
+    lanes, bk = _literal(lanes_t), _literal(bk_t)
+    if lanes is None or bk is None:
+        return None
+    if lanes not in (8, 16) or bk % lanes:
+        raise TypeError("lanes must be 8 (AVX2) or 16 (AVX-512) and divide the block width")
+    sig = types.void(lanes_t, q, q_off, scales, s_off, stab, nblocks, bk_t, out, o_off)
+
+    def codegen(context, builder, signature, args):
+        _, _, q_off_v, _, s_off_v, _, nb, _, _, o_off_v = args
+        at = signature.args[1:]
+        vf, vb, vi = ir.VectorType(f32, lanes), ir.VectorType(i8, lanes), ir.VectorType(i32, lanes)
+        qbase, sbase, tbase, obase = _data_ptrs(context, builder, at, args[1:], (0, 2, 4, 7))
+        with cgutils.for_range(builder, nb) as loop:
+            b = loop.index
+            sb = builder.load(builder.gep(sbase, [builder.add(s_off_v, b)]))
+            sv = _splat(builder, builder.load(builder.gep(tbase, [builder.zext(sb, i64)])), lanes)
+            for h in range(bk // lanes):
+                k0 = builder.add(builder.mul(b, ir.Constant(i64, bk)), ir.Constant(i64, h * lanes))
+                qp = builder.gep(qbase, [builder.add(q_off_v, k0)])
+                w = _decode_e4m3(builder, builder.zext(builder.load(builder.bitcast(qp, vb.as_pointer()), align=1), vi), lanes)
+                op = builder.bitcast(builder.gep(obase, [builder.add(o_off_v, k0)]), vf.as_pointer())
+                builder.store(builder.fmul(w, sv), op, align=4)
+        return context.get_dummy_value()
+    return sig, codegen
