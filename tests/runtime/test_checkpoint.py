@@ -18,17 +18,16 @@ from runtime.config import ModelConfig
 
 
 def _digest(d):
-    h = hashlib.sha256()
-    for p in sorted(d.iterdir()):
-        h.update(p.name.encode() + p.read_bytes())
-    return h.hexdigest()
+    """file name -> sha256 of its bytes: a mismatch names the file."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
 
 
 def test_same_seed_same_bytes_other_seed_differs(tmp_path, tiny_dir):
     again = make_checkpoint(ModelConfig.preset("tiny"), tmp_path / "a", seed=0)
     other = make_checkpoint(ModelConfig.preset("tiny"), tmp_path / "b", seed=1)
     assert _digest(again) == _digest(tiny_dir)
-    assert _digest(other) != _digest(tiny_dir)
+    shards = [n for n in _digest(tiny_dir) if n.endswith(".safetensors")]
+    assert all(_digest(other)[n] != _digest(tiny_dir)[n] for n in shards)
 
 
 def test_layout_of_the_tiny_checkpoint(tiny_dir):
@@ -76,7 +75,8 @@ def test_full_size_skeleton_reproduces_the_reference(full_skeleton, capsys):
     t0 = time.perf_counter()
     for p in full_skeleton.glob("*.safetensors"):
         read_header(p)
-    assert time.perf_counter() - t0 < 1.0
+    # headers only: reading the 510 GB of sparse zeros would take minutes; 10 s leaves a slow CI room
+    assert time.perf_counter() - t0 < 10.0
     assert main(["inspect", str(full_skeleton), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["n_shards"] == 48
