@@ -23,11 +23,13 @@ Terms (units: bytes, seconds, GB/s = 1e9 B/s; every one documented where compute
                   max(bytes / bandwidth, FLOP / FLOPS), FLOP = 2 * 3 * H * I * K * tokens per layer
                   (full: all layers over the prompt; bounded_replay: encoder over the prompt, decoder
                   over the last window)
-  VRAM            dense + KV(context) + graphs (1 GiB, assumed) + indexer peak + prefill buffer
-                  + slots * expert_bytes (+ drafter); indexer peak = 6 B * chunk * n_blocks_max(context)
-                  (SGLang's measured ~6 B x chunk x context for V4.1, quoted in ARCHITECTURE.md)
-  host RAM        resident routed experts + drafter + Engram (host: all; nvme_*: scales if kept + row
-                  cache) + OS headroom (8 GiB, assumed); page cache = what is left (nvme_mmap uses it)
+  VRAM            runtime.budget.device_bytes (dense + embeddings + the sequence: KV state at
+                  max_context, indexer peak, attention scratch + prefill buffer + slots (+ drafter))
+                  + graphs (1 GiB, assumed); the indexer peak is the runtime's own: itemsize B x chunk x
+                  visible rows + its tiles (runtime.budget.indexer_chunk_bytes; SGLang quotes ~6 B)
+  host RAM        runtime.budget.host_bytes (resident routed experts + drafter + Engram (host: all;
+                  nvme_*: scales if kept + row cache); on a CPU host also dense as held and the sequence)
+                  + OS headroom (8 GiB, assumed); page cache = what is left (nvme_mmap uses it)
   calibration     a profile validated on its host carries decode_scale and ttft_scale (measured /
                   predicted over the validated plans, predicted with the measured DSpark p); predictions
                   are multiplied by them
@@ -38,7 +40,8 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from runtime.profile import cpu_moe_figure, figure
-from runtime.budget import dense_path_bytes, engram_host_bytes, host_bytes, staging_bytes
+from runtime.budget import (dense_path_bytes, device_bytes, engram_host_bytes, host_bytes, indexer_bound_bytes,
+                            kv_state_bytes, spare, staging_bytes)
 from runtime.checkpoint.footprint import Footprint
 from runtime.plan import Plan
 from runtime.workload import Workload
@@ -47,7 +50,6 @@ GIB = 1 << 30
 GRAPHS_BYTES = 1 * GIB            # assumed CUDA graph pool
 OS_HEADROOM = 8 * GIB             # assumed host RAM kept for the OS and the process
 VRAM_MARGIN = 0.05                # safety margin on every VRAM budget
-INDEXER_B_PER_SCORE = 6.0         # SGLang's measured ~6 B x chunk x context (V4.1), quoted
 DSPARK_P_ACCEPT = 0.7             # assumed per-token acceptance until measured
 ENGRAM_ROWS_PER_LAYER = 24
 
@@ -157,14 +159,12 @@ def predict(plan: Plan, profile: dict, fp: Footprint, wl: Workload, allow_inexac
     budget = routed_all if plan.host_expert_budget_gib is None else min(routed_all, plan.host_expert_budget_gib * GIB)
     q_nvme = 1 - budget / routed_all if routed_all else 0.0
     slots_bytes = plan.slot_cache_experts * eb
-    kv = fp.kv_bytes_per_token * plan.max_context
-    peak = INDEXER_B_PER_SCORE * plan.prefill_chunk * fp.n_blocks_max(plan.max_context)
-    drafter = fp.bytes_by_class["drafter"] if plan.dspark else 0
-    dense_dev = fp.dense_bytes_per_token + fp.bytes_by_class["embeddings"] // 2   # + embedding table
+    kv = kv_state_bytes(fp, plan.max_context, spare(plan))
+    peak = indexer_bound_bytes(plan, fp)
     staging = staging_bytes(plan, fp)
     if plan.prefill_moe_path == "device" and not staging:
         why.append(f"prefill_moe_path device needs prefill_buffer_mib >= one expert ({eb / 2**20:.2f} MiB), got {plan.prefill_buffer_mib}")
-    vram = dense_dev + kv + GRAPHS_BYTES + peak + staging + slots_bytes + drafter if gpu else 0
+    vram = device_bytes(plan, fp) + GRAPHS_BYTES if gpu else 0
     vram_cap = (plan.vram_budget_gib * GIB if plan.vram_budget_gib is not None
                 else profile["host"]["hard"]["gpu_vram_gib"] * GIB if gpu else 0)
     if gpu and vram > vram_cap * (1 - VRAM_MARGIN):

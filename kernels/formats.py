@@ -125,3 +125,46 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_fp8_rows(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """(q [R, D] e4m3, scale [R, D/32] ue8m0) -> x [R, D]."""
     return q.to(dtype) * e8m0_to_float(scale, dtype).repeat_interleave(FP4_GROUP, dim=-1)
+
+
+# ------------------------------------------------------------------ KV cache formats
+# The compressed latent (V4.1's KV format): E2M1 codes packed as ds_fp4, one E4M3 scale per 16
+# channels (uint8 [..., K/16], the scale's float8_e4m3fn bits). Scale = amax/6 rounded to E4M3;
+# elements round to the nearest E2M1 value (ties toward the smaller magnitude) and saturate at 6.
+KV_FP4_GROUP = 16
+_E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float64)
+
+
+def quantize_fp4_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] (K % 16 == 0) -> (codes uint8 [..., K/2], scales uint8 [..., K/16])."""
+    K = x.shape[-1]
+    if K % KV_FP4_GROUP:
+        raise ValueError(f"the FP4 KV format needs a width that is a multiple of {KV_FP4_GROUP}, got {K}")
+    _check_finite(x, "quantize_fp4_e4m3")
+    g = x.to(torch.float64).reshape(*x.shape[:-1], K // KV_FP4_GROUP, KV_FP4_GROUP)
+    s8 = (g.abs().amax(-1, keepdim=True) / E2M1_MAX).to(torch.float32).to(torch.float8_e4m3fn)
+    s = s8.to(torch.float64)
+    y = torch.where(s > 0, g / torch.where(s > 0, s, 1.0), 0.0)
+    code = torch.bucketize(y.abs().clamp(max=E2M1_MAX), _E2M1_MIDPOINTS).to(torch.uint8)
+    code = (code | ((y < 0) & (code > 0)).to(torch.uint8) << 3).reshape(*x.shape[:-1], K)
+    packed = code[..., 0::2] | (code[..., 1::2] << 4)
+    return packed.contiguous(), s8.squeeze(-1).view(torch.uint8).contiguous()
+
+
+def dequantize_fp4_e4m3(packed: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """(codes [..., K/2], scales [..., K/16] E4M3 bits) -> x [..., K] in dtype."""
+    vals = E2M1_VALUES.to(dtype)[unpack_e2m1(packed).long()]
+    s = scales.view(torch.float8_e4m3fn).to(dtype).repeat_interleave(KV_FP4_GROUP, dim=-1)
+    return vals * s
+
+
+def quantize_fp8_rowscale(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, D] -> (codes uint8 [R, D] E4M3 bits, scale float32 [R] = amax/448): the index-key format."""
+    _check_finite(x, "quantize_fp8_rowscale")
+    s = (x.abs().amax(-1).to(torch.float32) / E4M3_MAX)
+    q = (x.to(torch.float32) / torch.where(s > 0, s, 1.0)[:, None]).to(torch.float8_e4m3fn)
+    return q.view(torch.uint8), s
+
+
+def dequantize_fp8_rowscale(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    return q.view(torch.float8_e4m3fn).to(dtype) * scale.to(dtype)[:, None]

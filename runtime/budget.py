@@ -8,17 +8,141 @@ from runtime.checkpoint.footprint import Footprint
 from runtime.plan import Plan
 
 GIB = 1 << 30
+IO_BLOCK = 4096       # an O_DIRECT read's unit (runtime/io_reader.py BLOCK)
+NVME_BATCH = 16       # NVMe-tier experts a call reads at once (runtime/experts.py): V4.1, 301 MB
+Q_BLOCK = 64          # attention queries per block (runtime/model/attention.py)
+FP8_TILE_ROWS = 256   # rows of an fp8 weight dequantized at once at prefill widths (kernels/fp8_dense.py TILE_ROWS)
+TILE_ELEMS = 1 << 24  # the indexer's relu tile [T, Hi, t]: t = TILE_ELEMS // (T Hi) keys at a time (64 MiB fp32)
 
 
 class DoesNotFit(ValueError):
     pass
 
 
+# ---------------------------------------------------------------- the sequence state and attention
+def spare(plan: Plan) -> int:
+    """Positions a rollback can take back (DSpark rejects up to draft_length drafts): the rings keep them."""
+    return plan.draft_length if plan.dspark else 0
+
+
+def kv_state_bytes(fp: Footprint, max_context: int, spare: int = 0, itemsize: int = 4) -> int:
+    """What runtime/model/kv.py SeqState.new allocates: per kv source layer max_context // r rows of
+    (C/2 + C/16 + Di + 4) B (-> Footprint.kv_bytes_per_token per token), per layer a window ring of
+    R = window - 1 + spare keys and values (2 C floats) and positions (8 B), per source a tail ring of
+    r + spare per-position latents and index keys ((C + Di) floats) and positions."""
+    C, Di, R = fp.kv_lora_rank, fp.index_head_dim, fp.window_size - 1 + spare
+    rows = sum((max_context // r) * (C // 2 + C // 16 + Di + 4) for r in fp.kv_ratios)
+    rings = fp.num_layers * R * (2 * C * itemsize + 8)
+    tails = sum((r + spare) * ((C + Di) * itemsize + 8) for r in fp.kv_ratios)
+    return rows + rings + tails
+
+
+def key_tile(T: int, heads: int, n: int) -> int:
+    """Index keys scored at once by T queries of `heads` index heads: the relu tile stays TILE_ELEMS."""
+    return min(n, max(1, TILE_ELEMS // (T * heads)))
+
+
+def indexer_chunk_bytes(fp: Footprint, T: int, end: int, itemsize: int = 4) -> int:
+    """The indexer's live bytes for T queries ending at position end - 1 (runtime/model/attention.py
+    select), the largest over index layers: n = (end - window) // r visible rows. Scoring a tile holds
+    score [T, n] + keys [t, Di] + relu [T, Hi, t] + part [T, t] (t = key_tile(T, Hi, n)); the selection
+    holds score + idx, ok [T, k] (9 B) + one block's sort, values and int64 order [min(T, Q_BLOCK), n].
+    Only the score grows with chunk x context: itemsize B per score (SGLang quotes ~6 B on GPU)."""
+    best = 0
+    for r in fp.index_ratios:
+        n = max(0, (end - fp.window_size) // r)
+        if n:
+            t, k = key_tile(T, fp.index_n_heads, n), min(fp.index_topk, n)
+            tile = (t * fp.index_head_dim + T * fp.index_n_heads * t + T * t) * itemsize
+            sort = 9 * T * k + min(T, Q_BLOCK) * n * (itemsize + 8)
+            best = max(best, T * n * itemsize + max(tile, sort))
+    return best
+
+
+def indexer_peak_bytes(fp: Footprint, chunk: int, prompt_tokens: int, itemsize: int = 4) -> int:
+    """The indexer peak of prefilling `prompt_tokens` in chunks of `chunk` (what a run measures)."""
+    return max((indexer_chunk_bytes(fp, min(chunk, prompt_tokens - c), min(c + chunk, prompt_tokens), itemsize)
+                for c in range(0, prompt_tokens, chunk)), default=0)
+
+
+def indexer_bound_bytes(plan: Plan, fp: Footprint) -> int:
+    """What the plan budgets: a full chunk (or a DSpark verify pass) ending at max_context bounds every
+    chunk of every prompt it admits."""
+    return indexer_chunk_bytes(fp, max(plan.prefill_chunk, spare(plan) + 1), plan.max_context)
+
+
+def attention_scratch_bytes(plan: Plan, fp: Footprint, itemsize: int = 4) -> int:
+    """One attention block's temporaries (runtime/model/attention.py attend), chunk and context aside:
+    window keys and values [N, C] x 2 with N = R + Q_BLOCK + window - 1; scores over N + index_topk
+    keys x 3 (scores, concatenated, softmax); the block's gathered rows [B, k, C] x 3 (values, roped
+    keys, the rope's halves)."""
+    B, C, k = Q_BLOCK, fp.kv_lora_rank, fp.index_topk
+    N = fp.window_size - 1 + spare(plan) + B + fp.window_size - 1
+    return (2 * N * C + 3 * B * fp.num_attention_heads * (N + k) + 3 * B * k * C) * itemsize
+
+
+def moe_scratch_bytes(fp: Footprint, T: int) -> int:
+    """kernels/cpu_moe.py expert_ffn for T tokens: A = T K assignments packed (no padding), inputs
+    [A, H], gate/up [A, 2I], SwiGLU [A, I], down [A, H] in float32 + token and k ids (16 B)."""
+    A = T * fp.top_k
+    return A * ((2 * fp.hidden_size + 3 * fp.moe_intermediate_size) * 4 + 16)
+
+
+def nvme_fetch_bytes(plan: Plan, fp: Footprint, T: int) -> int:
+    """One MoE call's experts read from the NVMe tier (runtime/experts.py _fetch): the bank they are
+    copied into, and with nvme_direct the page-aligned read buffer too: the layer's non-resident
+    experts, at most T K of them, NVME_BATCH at a time."""
+    if plan.host_expert_budget_gib is None or not fp.n_routed_experts:
+        return 0
+    L, E = fp.num_layers, fp.n_routed_experts
+    total = min(L * E, int(plan.host_expert_budget_gib * GIB) // fp.expert_bytes)
+    n = min(E - total // L, T * fp.top_k, NVME_BATCH)
+    return n * fp.expert_bytes * (2 if plan.expert_nvme_path == "nvme_direct" else 1)
+
+
+def _forward_terms(plan: Plan, fp: Footprint) -> dict:
+    """The largest forward's temporaries (T = the prefill chunk, or a DSpark verify pass), by kind:
+    residual  the residual stream, its norms and projections (8 [T, max(H, Hq C)] floats) and the
+              Engram rows prefetched for every layer (float32)
+    attention the indexer peak + the block scratch + one fp8 tile of the widest linear and its output
+    moe       the MoE kernel's scratch
+    logits    [T, V] floats
+    io        the NVMe tier's fetched experts, the 4 KiB block each Engram row read (nvme_direct)
+    Attention, MoE and logits never overlap (one is freed before the next starts)."""
+    T = max(plan.prefill_chunk, spare(plan) + 1)
+    width = max(fp.hidden_size, fp.num_attention_heads * fp.kv_lora_rank, fp.q_lora_rank)
+    engram_reads = (T * fp.engram_bytes_per_token // fp.engram_row_bytes * IO_BLOCK
+                    if plan.engram_placement == "nvme_direct" and fp.engram_row_bytes else 0)
+    return {"residual": 8 * T * width * 4 + T * fp.engram_floats_per_token * 4,
+            "attention": indexer_bound_bytes(plan, fp) + attention_scratch_bytes(plan, fp)
+            + (FP8_TILE_ROWS * width + T * FP8_TILE_ROWS) * 4,
+            "moe": moe_scratch_bytes(fp, T), "logits": T * fp.vocab_size * 4,
+            "io": nvme_fetch_bytes(plan, fp, T) + engram_reads}
+
+
+def transient_bytes(plan: Plan, fp: Footprint, where: str = "cpu") -> int:
+    """The largest forward's temporaries held by one tier. where: 'cpu' (a CPU host holds them all),
+    'device' (a GPU host's device: attention, logits, the MoE it computes), 'host' (a GPU host's RAM:
+    the CPU kernel's MoE scratch and the I/O buffers)."""
+    f = _forward_terms(plan, fp)
+    if where == "cpu":
+        return f["residual"] + f["io"] + max(f["moe"], f["attention"], f["logits"])
+    if where == "device":
+        return f["residual"] + max(f["moe"] if plan.moe_strategy != "cpu" else 0, f["attention"], f["logits"])
+    return f["io"] + (f["moe"] if plan.moe_strategy != "offload" else 0)
+
+
+def sequence_bytes(plan: Plan, fp: Footprint, where: str = "cpu") -> int:
+    """Bytes one sequence adds to the tier that runs attention: its state at max_context and the
+    largest forward's temporaries there."""
+    return kv_state_bytes(fp, plan.max_context, spare(plan)) + transient_bytes(plan, fp, where)
+
+
 def device_bytes(plan: Plan, fp: Footprint) -> int:
-    """Dense + embeddings + KV pool + slot cache (+ drafter with DSpark, + the prefill staging buffer
-    on the device prefill path): what the device holds."""
-    return int(fp.dense_bytes_per_token + fp.bytes_by_class["embeddings"] // 2 + fp.kv_bytes_per_token * plan.max_context
-               + plan.slot_cache_experts * fp.expert_bytes + (fp.bytes_by_class["drafter"] if plan.dspark else 0)
+    """Dense + embeddings + the sequence (KV state, indexer peak, attention scratch) + slot cache
+    (+ drafter with DSpark, + the prefill staging buffer on the device prefill path): what the device holds."""
+    return int(fp.dense_bytes_per_token + fp.bytes_by_class["embeddings"] // 2 + sequence_bytes(plan, fp, "device")
+               + plan.slot_cache_experts * fp.expert_bytes + fp.drafter_dense_bytes
                + staging_bytes(plan, fp))
 
 
@@ -57,15 +181,44 @@ def engram_host_bytes(plan: Plan, fp: Footprint) -> int:
     return 0
 
 
+def drafter_expert_bytes(plan: Plan, fp: Footprint) -> int:
+    """The DSpark drafter's experts (routed and shared, host banks), loaded only when the plan drafts;
+    its other tensors load with the dense weights, always."""
+    return fp.bytes_by_class["drafter"] - fp.drafter_dense_bytes if plan.dspark else 0
+
+
 def host_bytes(plan: Plan, fp: Footprint, dense_on_host: bool = False) -> int:
-    """Resident routed experts, the shared experts, Engram in RAM, the drafter with DSpark, and (CPU
-    hosts: `dense_on_host`) the dense weights as the runtime holds them."""
+    """Resident routed experts, the shared experts, Engram in RAM, the drafter's experts with DSpark,
+    and (CPU hosts: `dense_on_host`) the dense weights (the drafter's included) as the runtime holds
+    them and the sequence; on a GPU host the CPU's share of the forward's temporaries."""
     routed = fp.routed_expert_bytes_total
     if plan.host_expert_budget_gib is not None:
         routed = min(routed, int(plan.host_expert_budget_gib * GIB) // fp.expert_bytes * fp.expert_bytes)
     engram = engram_host_bytes(plan, fp)
-    dense = dense_host_bytes(fp) if dense_on_host else fp.bytes_by_class["shared_expert"]
-    return routed + engram + dense + (fp.bytes_by_class["drafter"] if plan.dspark else 0)
+    dense = (dense_host_bytes(fp) + sequence_bytes(plan, fp) if dense_on_host
+             else fp.bytes_by_class["shared_expert"] + transient_bytes(plan, fp, "host"))
+    drafter = drafter_expert_bytes(plan, fp) + (fp.drafter_dense_bytes if dense_on_host else 0)
+    return routed + engram + dense + drafter
+
+
+def mapped_bytes(plan: Plan, fp: Footprint) -> int:
+    """Checkpoint bytes the runtime reads through its mapping (file-backed, reclaimable page cache):
+    all it copies at load, and the tiers it reads through the page cache (nvme_mmap), at most whole;
+    the NVMe tiers read with O_DIRECT (nvme_direct) never touch the mapping."""
+    routed = fp.routed_expert_bytes_total
+    resident = routed if plan.host_expert_budget_gib is None else \
+        min(routed, int(plan.host_expert_budget_gib * GIB) // fp.expert_bytes * fp.expert_bytes)
+    skip = (routed - resident) if plan.expert_nvme_path == "nvme_direct" else 0
+    skip += fp.bytes_by_class["drafter"] - fp.drafter_dense_bytes - drafter_expert_bytes(plan, fp)
+    if plan.engram_placement == "nvme_direct":        # the scales kept in RAM are copied through the mapping
+        skip += fp.engram_bytes_total - (fp.engram_rows_total * 8 if plan.engram_scales_in_ram else 0)
+    return fp.total_bytes - skip
+
+
+def planned_bytes(plan: Plan, fp: Footprint, on_cpu: bool) -> dict:
+    """What a run of this plan adds, per tier: anonymous host RAM, the mapped checkpoint, the device."""
+    return {"anon": host_bytes(plan, fp, dense_on_host=on_cpu), "file": mapped_bytes(plan, fp),
+            "device": 0 if on_cpu else device_bytes(plan, fp)}
 
 
 def check_request(plan: Plan, prompt_tokens: int, max_tokens: int) -> None:

@@ -17,9 +17,11 @@ import torch
 from tokenizers import Tokenizer
 
 from hostinfo import cuda_available
+from runtime import budget
 from runtime.budget import check_plan, check_request
 from runtime.checkpoint.reader import Checkpoint
 from runtime.engram_store import EngramStore
+from runtime.memwatch import hand_back_freed_memory
 from runtime.experts import PlacedExperts, ReferenceExperts
 from runtime.model.transformer import Model
 from runtime.model.weights import load_dense
@@ -88,6 +90,7 @@ class Engine:
         self.cfg = self.ck.config
         self.plan = plan or Plan()
         self.reference = reference
+        hand_back_freed_memory()                            # the process holds what the plan counts
         dtype = torch.float64 if reference else torch.float32
         # dense weights and attention on the device (CUDA when present, else the CPU)
         self.device = "cpu" if reference else (device or ("cuda" if cuda_available() else "cpu"))
@@ -132,7 +135,7 @@ class Engine:
             self.engram.counters.clear()
         gen = torch.Generator().manual_seed(seed)
         stop_ids = frozenset(stop_ids)
-        st = model.new_state(len(prompt) + max_tokens)
+        st = model.new_state(len(prompt) + max_tokens, budget.spare(plan))
         chunk = len(prompt) if self.reference else plan.prefill_chunk
         replay = plan.prefill_mode == "bounded_replay" and not self.reference and cfg.num_encoder_layers
         dec_start = max(0, len(prompt) - cfg.window_size) if replay else 0
@@ -160,7 +163,7 @@ class Engine:
                       len(prompt) / (t_first - t0), self._phases(reset=True), prefill_phases,
                       getattr(self.experts, "hit_rate", 0.0),
                       st.indexer_peak_bytes,
-                      int(4 * cfg.index_n_heads * min(chunk, len(prompt)) * max((cfg.n_blocks(len(prompt), x) for x in cfg.index_source_layers), default=0)),
+                      budget.indexer_peak_bytes(self.ck.footprint(), chunk, len(prompt), torch.finfo(model.dtype).bits // 8),
                       logits_kept[:n], spec, dict(self.engram.counters) if self.engram is not None else {})
 
     def _plain(self, st, last, max_tokens, temperature, gen, keep):

@@ -44,6 +44,7 @@ class Footprint:
     kv_bytes_per_token: float
     dense_bytes_per_token: int
     drafter_expert_bytes: int
+    drafter_dense_bytes: int = 0          # the drafter's non-expert tensors (loaded with the dense weights)
     # geometry the cost model needs (from the config; kept here so the model needs no torch)
     hidden_size: int = 0
     moe_intermediate_size: int = 0
@@ -51,7 +52,16 @@ class Footprint:
     num_encoder_layers: int = 0
     top_k: int = 0
     window_size: int = 0
-    index_ratios: list = field(default_factory=list)    # compress ratio of each index source layer
+    index_ratios: list = field(default_factory=list)    # per index layer: the ratio of the rows it scores
+    kv_ratios: list = field(default_factory=list)       # compress ratio of each kv source layer
+    kv_lora_rank: int = 0
+    num_attention_heads: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    vocab_size: int = 0
+    q_lora_rank: int = 0
+    engram_floats_per_token: int = 0                    # Engram rows one token reads, as floats (all layers)
     engram_layer_ids: list = field(default_factory=list)
     dspark_num_layers: int = 0
     dspark_n_routed_experts: int = 0
@@ -112,9 +122,15 @@ class Footprint:
             kv_bytes_per_token=cfg.kv_bytes_per_token,
             dense_bytes_per_token=sum(other) + sizes.get("norm.weight", 0) + head,
             drafter_expert_bytes=sum(drafter_experts),
+            drafter_dense_bytes=sum(v for k, v in sizes.items() if k.startswith("mtp.") and ".experts." not in k
+                                    and ".shared_experts." not in k),
             hidden_size=cfg.hidden_size, moe_intermediate_size=cfg.moe_intermediate_size,
             num_layers=L, num_encoder_layers=enc, top_k=K, window_size=cfg.window_size,
-            index_ratios=[cfg.compress_ratios[i] for i in cfg.index_source_layers],
+            index_ratios=[cfg.compress_ratios[cfg.kv_source_of(i)] for i in cfg.index_source_layers],
+            kv_ratios=[cfg.compress_ratios[i] for i in cfg.kv_source_layers], kv_lora_rank=cfg.kv_lora_rank,
+            num_attention_heads=cfg.num_attention_heads, index_n_heads=cfg.index_n_heads,
+            index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk, vocab_size=cfg.vocab_size,
+            q_lora_rank=cfg.q_lora_rank, engram_floats_per_token=len(cfg.engram_layer_ids) * cfg.engram_slots * cfg.engram_head_dim,
             engram_layer_ids=list(cfg.engram_layer_ids), dspark_num_layers=cfg.dspark_num_layers,
             dspark_n_routed_experts=cfg.dspark_n_routed_experts,
             shard_bytes=dict(shard_bytes or {}),

@@ -5,9 +5,10 @@ Per layer i, hidden h [T, H] at positions p (legend: C latent, W window, r compr
   Engram (i in engram_layer_ids): e = rows [T, S*D]; k = e wk^T, v = e wv^T; h += sigmoid(<n(h), n(k)>/sqrt(H)) v
   a = rmsnorm(h, attn_norm); ql = a wq_a^T [T, q]; q = rope(ql wq_b^T) [T, Hq, C]
   window: c = rmsnorm(a wkv^T, kv_norm); K = rope(c), V = c; query t sees positions t-W+1..t
-  CSA2 global (mode != window): the kv source s = kv_source_of(i) stores per position a latent a_s wkv_c^T
-    and an index key a_s wi_k^T; row j = mean over positions j*r..j*r+r-1 (r = compress_ratios[s]);
-    query t sees rows wholly before its window: (j+1)*r <= t+1-W. An index layer x scores rows:
+  CSA2 global (mode != window): the kv source s = kv_source_of(i) computes per position a latent
+    a_s wkv_c^T and an index key a_s wi_k^T; row j = their mean over positions j*r..j*r+r-1
+    (r = compress_ratios[s]), stored as V4.1 stores it: the latent FP4 E2M1 with an E4M3 scale per
+    16 channels, the index key E4M3 with a float32 scale (runtime/model/kv.py); query t sees rows wholly before its window: (j+1)*r <= t+1-W. An index layer x scores rows:
     sum_h w_h relu(qi_h . ik_j) (qi = ql wi_q^T, w = a wi_w^T) and keeps the top index_topk;
     reuse layers take the selection of index_source_of(i). Keys rope(row) at position (j+1)*r-1.
   attention over window + selected rows, softmax(q.K/sqrt(C)); h += concat_heads(P V) wo^T
@@ -31,6 +32,8 @@ import torch
 from kernels.engram_hash import engram_rows, slot_ranges, slot_seeds
 from kernels.fp8_dense import Fp8Weight, fp8_linear
 from runtime.config import ModelConfig
+from runtime.model.attention import attend, select
+from runtime.model.kv import SeqState
 
 
 def rmsnorm(x, w=None, eps=1e-6):
@@ -48,27 +51,6 @@ def rope(x, pos, theta):
         cos, sin = cos[:, None], sin[:, None]
     x1, x2 = x[..., :d], x[..., d:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
-
-
-@dataclass
-class SeqState:
-    """Everything one sequence keeps between chunks (the KV cache and friends)."""
-    pos: int
-    tokens: list
-    kw: list          # per layer [ctx, C] roped window keys
-    vw: list          # per layer [ctx, C] window values
-    valid: list       # per layer [ctx] bool: position computed at that layer (bounded_replay skips some)
-    lat: dict         # kv source layer -> [ctx, C] per-position latent
-    ik: dict          # kv source layer -> [ctx, Di] per-position index key
-    indexer_peak_bytes: int = 0
-    target_hidden: dict = field(default_factory=dict)   # DSpark target layer -> [T', H] of the last forward
-    final_hidden: torch.Tensor | None = None            # [T', H] before the final norm (drafter distillation)
-
-    def rollback(self, pos: int) -> None:
-        """Forget positions >= pos (rejected draft tokens). Cache rows past pos are simply overwritten
-        when those positions are computed again; attention never looks past a query's own position."""
-        self.pos = pos
-        del self.tokens[pos:]
 
 
 @dataclass
@@ -92,13 +74,9 @@ class Model:
                                   for i, rows in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings)}
 
     # ------------------------------------------------------------------ state
-    def new_state(self, max_context: int) -> SeqState:
-        c, n, z = self.cfg, max_context, lambda *s: torch.zeros(*s, dtype=self.dtype, device=self.device)
-        return SeqState(0, [], [z(n, c.kv_lora_rank) for _ in range(c.num_hidden_layers)],
-                        [z(n, c.kv_lora_rank) for _ in range(c.num_hidden_layers)],
-                        [torch.zeros(n, dtype=torch.bool, device=self.device) for _ in range(c.num_hidden_layers)],
-                        {s: z(n, c.kv_lora_rank) for s in c.kv_source_layers},
-                        {s: z(n, c.index_head_dim) for s in c.kv_source_layers})
+    def new_state(self, max_context: int, spare: int = 0) -> SeqState:
+        """A sequence of up to max_context positions that can roll back `spare` of them (runtime/model/kv.py)."""
+        return SeqState.new(self.cfg, max_context, spare, self.dtype, self.device)
 
     def L(self, name, x):
         w = self.w[name + ".weight"]
@@ -113,8 +91,8 @@ class Model:
         c = self.cfg
         T = len(tokens)
         p0 = st.pos
-        if p0 + T > st.kw[0].shape[0]:
-            raise ValueError(f"sequence of {p0 + T} tokens exceeds the plan's max_context {st.kw[0].shape[0]}")
+        if p0 + T > st.max_context:
+            raise ValueError(f"sequence of {p0 + T} tokens exceeds the plan's max_context {st.max_context}")
         st.tokens.extend(tokens)
         pos = torch.arange(p0, p0 + T, device=self.device)
         tok = torch.tensor(tokens, device=self.device)
@@ -151,54 +129,34 @@ class Model:
         ql = self.L(f"layers.{i}.attn.wq_a", a)
         q = rope(self.L(f"layers.{i}.attn.wq_b", ql).view(len(h), c.num_attention_heads, c.kv_lora_rank), pos, c.rope_theta)
         cw = rmsnorm(self.L(f"layers.{i}.attn.wkv", a), w[f"layers.{i}.attn.kv_norm.weight"], c.rms_norm_eps)
-        st.kw[i][pos] = rope(cw, pos, c.rope_theta)
-        st.vw[i][pos] = cw
-        st.valid[i][pos] = True
+        k_new = rope(cw, pos, c.rope_theta)                                  # [T, C] window keys, values cw
         if i in c.kv_source_layers and i < c.num_encoder_layers:
             self._write_source(st, i, a, pos)
-        g_keys = g_vals = g_mask = None
+        glob = None
         if c.layer_mode(i) != "window":
             x = c.index_source_of(i)
             if x == i:
                 sel[i] = self._select(st, i, a, ql, pos)
-            idx, ok = sel[x]
-            s = c.kv_source_of(i)
-            r = c.compress_ratios[s]
-            lat = self._rows(st.lat[s], r, int(idx.max().item()) + 1 if idx.numel() else 0)
-            rpos = (idx + 1) * r - 1
-            g_vals = lat[idx]                                                # [T, k, C]
-            g_keys = rope(g_vals.reshape(-1, c.kv_lora_rank), rpos.reshape(-1), c.rope_theta).view_as(g_vals)
-            g_mask = ok
-        out = self._attend(st, i, q, pos, g_keys, g_vals, g_mask)
+            glob = self._selected_rows(st.sources[c.kv_source_of(i)], *sel[x])
+        out = attend(q, pos, k_new, cw, st.windows[i], c.window_size, glob)
+        st.windows[i].write(pos, k_new, cw)
         h = h + self.L(f"layers.{i}.attn.wo", out.reshape(len(h), -1))
         self.phases.add("attention_dense", t0)
         return h + self._moe(i, h, tok)
 
-    def _attend(self, st, i, q, pos, g_keys, g_vals, g_mask):
-        c = self.cfg
-        lo = max(0, int(pos.min()) - c.window_size + 1)
-        hi = int(pos.max()) + 1
-        kpos = torch.arange(lo, hi, device=self.device)
-        K, V = st.kw[i][lo:hi], st.vw[i][lo:hi]                               # [N, C]
-        mask = (kpos[None] <= pos[:, None]) & (kpos[None] > pos[:, None] - c.window_size) & st.valid[i][lo:hi][None]
-        scale = 1.0 / math.sqrt(c.kv_lora_rank)
-        sw = torch.einsum("thc,nc->thn", q, K) * scale
-        sw = sw.masked_fill(~mask[:, None], float("-inf"))
-        if g_keys is None:
-            return torch.einsum("thn,nc->thc", torch.softmax(sw, -1), V)
-        sg = torch.einsum("thc,tkc->thk", q, g_keys) * scale
-        sg = sg.masked_fill(~g_mask[:, None], float("-inf"))
-        p = torch.softmax(torch.cat([sw, sg], -1), -1)
-        return torch.einsum("thn,nc->thc", p[..., :K.shape[0]], V) + torch.einsum("thk,tkc->thc", p[..., K.shape[0]:], g_vals)
+    def _selected_rows(self, src, idx, ok):
+        """-> glob(b0, b1): queries b0..b1-1's selected rows, dequantized: (roped keys, values, ok)."""
+        theta, r = self.cfg.rope_theta, src.r
 
-    @staticmethod
-    def _rows(per_pos, r, n):
-        """Compressed rows 0..n-1: mean over each group of r positions."""
-        return per_pos[: n * r].view(n, r, -1).mean(1) if n else per_pos[:0]
+        def glob(b0, b1):
+            bi = idx[b0:b1]
+            vals = src.latents(bi)                                           # [B, k, C]
+            keys = rope(vals.reshape(-1, vals.shape[-1]), ((bi + 1) * r - 1).reshape(-1), theta).view_as(vals)
+            return keys, vals, ok[b0:b1]
+        return glob
 
     def _write_source(self, st, s, a, pos):
-        st.lat[s][pos] = self.L(f"layers.{s}.attn.wkv_c", a)
-        st.ik[s][pos] = self.L(f"layers.{s}.attn.wi_k", a)
+        st.sources[s].write(pos, self.L(f"layers.{s}.attn.wkv_c", a), self.L(f"layers.{s}.attn.wi_k", a))
 
     def _decoder_sources(self, st, h_enc, pos):
         c = self.cfg
@@ -208,26 +166,16 @@ class Model:
 
     def _select(self, st, x, a, ql, pos):
         """Index layer x: top index_topk visible compressed rows per query. -> (idx [T, k], ok [T, k])."""
-        c = self.cfg
-        s = c.kv_source_of(x)
-        r = c.compress_ratios[s]
-        n_vis = torch.clamp((pos + 1 - c.window_size) // r, min=0)             # [T]
-        n = int(n_vis.max())
-        T = len(pos)
-        k = min(c.index_topk, max(n, 1))
-        if n == 0:
-            return torch.zeros(T, k, dtype=torch.long, device=self.device), torch.zeros(T, k, dtype=torch.bool, device=self.device)
-        ik = self._rows(st.ik[s], r, n)                                      # [n, Di]
+        c, T = self.cfg, len(pos)
+        src = st.sources[c.kv_source_of(x)]
+        if (int(pos[-1]) + 1 - c.window_size) // src.r <= 0:                  # nothing visible yet
+            z = torch.zeros(T, 1, dtype=torch.long, device=self.device)
+            return z, z.bool()
         qi = self.L(f"layers.{x}.attn.wi_q", ql).view(T, c.index_n_heads, c.index_head_dim)
         wh = a @ self.w[f"layers.{x}.attn.wi_w.weight"].T                    # [T, Hi]
-        act = torch.relu(torch.einsum("thd,nd->thn", qi, ik))               # [T, Hi, n]: the indexer peak
-        st.indexer_peak_bytes = max(st.indexer_peak_bytes, act.numel() * act.element_size())
-        score = torch.einsum("thn,th->tn", act, wh)
-        score = score.masked_fill(torch.arange(n, device=self.device)[None] >= n_vis[:, None], float("-inf"))
-        # a stable sort, not topk: relu makes exact ties (score 0) common, and ties must resolve the same
-        # way (lower row first) whatever the chunk, or chunking would change the output
-        val, idx = torch.sort(score, dim=-1, descending=True, stable=True)
-        return idx[:, :k], torch.isfinite(val[:, :k])
+        idx, ok, peak = select(src, qi, wh, pos, c.window_size, c.index_topk, self.dtype, self.device)
+        st.indexer_peak_bytes = max(st.indexer_peak_bytes, peak)
+        return idx, ok
 
     def _moe(self, i, h, tok):
         c, w = self.cfg, self.w

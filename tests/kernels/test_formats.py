@@ -80,3 +80,36 @@ def test_fp8_rows_roundtrip():
     q, s = quantize_fp8_rows(x)
     assert q.shape == (100, 64) and s.shape == (100, 2)
     assert (dequantize_fp8_rows(q, s) - x).norm() / x.norm() < 0.04
+
+
+def test_the_fp4_kv_format_round_trips_its_grid_and_bounds_the_error():
+    from kernels.formats import E2M1_VALUES, dequantize_fp4_e4m3, quantize_fp4_e4m3
+    g = torch.Generator().manual_seed(7)
+    scale = torch.tensor([2.0 ** -3, 0.75, 6.0], dtype=torch.float64)          # exact E4M3 values
+    grid = E2M1_VALUES[torch.randint(0, 16, (3, 64), generator=g)]
+    grid[:, 0] = 6.0                                                            # amax / 6 is the scale itself
+    x = grid * scale[:, None]
+    c, s = quantize_fp4_e4m3(x)
+    assert c.shape == (3, 32) and s.shape == (3, 4) and c.dtype == s.dtype == torch.uint8
+    assert torch.equal(dequantize_fp4_e4m3(c, s, torch.float64)[:, :16], x[:, :16])   # on the grid: exact
+    y = torch.randn(200, 48, dtype=torch.float64, generator=g) * torch.rand(200, 1, dtype=torch.float64, generator=g)
+    c, s = quantize_fp4_e4m3(y)
+    err = (dequantize_fp4_e4m3(c, s, torch.float64) - y).abs().view(200, 3, 16)
+    amax = y.abs().view(200, 3, 16).amax(-1, keepdim=True)
+    # half the top step (2) of the scale, the scale within E4M3's 1/16 or, subnormal, half its 2^-9 step
+    assert bool((err <= amax / 6 * (1 + 1 / 16) + 6 * 2.0 ** -10).all())
+    z = quantize_fp4_e4m3(torch.zeros(2, 16))
+    assert dequantize_fp4_e4m3(*z).abs().sum() == 0
+    with pytest.raises(ValueError, match="multiple of 16"):
+        quantize_fp4_e4m3(torch.ones(2, 24))
+    with pytest.raises(ValueError, match="non-finite"):
+        quantize_fp4_e4m3(torch.full((1, 16), float("nan")))
+
+
+def test_the_index_key_format_is_e4m3_with_a_row_scale():
+    from kernels.formats import dequantize_fp8_rowscale, quantize_fp8_rowscale
+    x = torch.randn(50, 64, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    q, s = quantize_fp8_rowscale(x)
+    assert q.dtype == torch.uint8 and s.dtype == torch.float32 and s.shape == (50,)
+    err = (dequantize_fp8_rowscale(q, s, torch.float64) - x).abs()
+    assert bool((err <= x.abs() / 16 + 2.0 ** -9 * s.double()[:, None] + 1e-6).all())   # E4M3: 3 mantissa bits

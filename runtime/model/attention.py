@@ -1,0 +1,82 @@
+"""CSA2 attention over what SeqState keeps, tiled so that only the indexer's scores grow with
+chunk x context (runtime/budget.py prices each term; tests hold the two equal).
+
+attend: queries in blocks of Q_BLOCK; a block sees the ring's older positions, this forward's keys
+  from window-1 before the block to its end, and each query's selected compressed rows:
+  scores [Q_BLOCK, heads, R + Q_BLOCK + window - 1 + index_topk], whatever the chunk or context.
+select: an index layer scores every visible row in tiles of t = TILE_ELEMS / (T Hi) rows:
+  relu(qi . ik) [T, Hi, t] -> weighted by wh -> score [T, n] (itemsize B per score: the only
+  chunk x context term); a stable sort of Q_BLOCK queries at a time keeps the top k.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from runtime.budget import Q_BLOCK, key_tile
+from runtime.model.kv import Compressed, Ring
+
+NEVER = -(1 << 62)        # a position no query sees
+
+
+def nbytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def attend(q, pos, k_new, v_new, ring: Ring, window: int, glob=None):
+    """q [T, Hq, C] roped queries at pos [T] (ascending, contiguous); k_new, v_new [T, C] this forward's
+    window keys and values; ring: the earlier ones. glob(b0, b1) -> (keys [B, k, C], values [B, k, C],
+    ok [B, k]) for queries b0..b1-1, or None. -> [T, Hq, C]."""
+    T, C = len(pos), q.shape[-1]
+    p0, scale = int(pos[0]), 1.0 / math.sqrt(C)
+    rk, rv = ring.data
+    rpos = torch.where((ring.pos >= 0) & (ring.pos < p0), ring.pos, NEVER)   # stale slots (rollback) hidden
+    out = torch.empty_like(q)
+    for b0 in range(0, T, Q_BLOCK):
+        b1 = min(T, b0 + Q_BLOCK)
+        lo = max(0, b0 - window + 1)
+        K, V = torch.cat([rk, k_new[lo:b1]]), torch.cat([rv, v_new[lo:b1]])          # [N, C]
+        kpos, qp = torch.cat([rpos, pos[lo:b1]]), pos[b0:b1]
+        mask = (kpos[None] <= qp[:, None]) & (kpos[None] > qp[:, None] - window)      # [B, N]
+        s = torch.einsum("thc,nc->thn", q[b0:b1], K).mul_(scale).masked_fill_(~mask[:, None], float("-inf"))
+        if glob is None:
+            out[b0:b1] = torch.einsum("thn,nc->thc", torch.softmax(s, -1), V)
+            continue
+        gk, gv, ok = glob(b0, b1)
+        sg = torch.einsum("thc,tkc->thk", q[b0:b1], gk).mul_(scale).masked_fill_(~ok[:, None], float("-inf"))
+        p = torch.softmax(torch.cat([s, sg], -1), -1)
+        out[b0:b1] = torch.einsum("thn,nc->thc", p[..., :len(K)], V) + torch.einsum("thk,tkc->thc", p[..., len(K):], gv)
+    return out
+
+
+def select(src: Compressed, qi, wh, pos, window: int, topk: int, dtype, device):
+    """Top `topk` visible compressed rows of `src` per query. qi [T, Hi, Di], wh [T, Hi] ->
+    (idx [T, k], ok [T, k], peak bytes of the tensors this held at once). Ties keep the lower row, so
+    the choice is the same whatever the chunk."""
+    r, T = src.r, len(pos)
+    n_vis = torch.clamp((pos + 1 - window) // r, min=0)                               # [T]
+    n = int(n_vis.max())
+    k = min(topk, max(n, 1))
+    if n == 0:
+        z = torch.zeros(T, k, dtype=torch.long, device=device)
+        return z, z.bool(), 0
+    score = torch.empty(T, n, dtype=dtype, device=device)                             # the chunk x context term
+    peak = 0
+    tile = key_tile(T, qi.shape[1], n)
+    for j0 in range(0, n, tile):
+        j1 = min(n, j0 + tile)
+        ik = src.index_keys(j0, j1)                                                    # [t, Di]
+        act = torch.einsum("thd,nd->thn", qi, ik).relu_()                              # [T, Hi, t]
+        part = torch.einsum("thn,th->tn", act, wh)                                     # [T, t]
+        peak = max(peak, nbytes(score, ik, act, part))
+        score[:, j0:j1] = part
+        del ik, act, part
+    score.masked_fill_(torch.arange(n, device=device)[None] >= n_vis[:, None], float("-inf"))
+    idx = torch.empty(T, k, dtype=torch.long, device=device)
+    ok = torch.empty(T, k, dtype=torch.bool, device=device)
+    for b0 in range(0, T, Q_BLOCK):                       # sorted a block of queries at a time
+        val, order = torch.sort(score[b0:b0 + Q_BLOCK], dim=-1, descending=True, stable=True)
+        idx[b0:b0 + Q_BLOCK], ok[b0:b0 + Q_BLOCK] = order[:, :k], torch.isfinite(val[:, :k])
+        peak = max(peak, nbytes(score, idx, ok, val, order))
+    return idx, ok, peak

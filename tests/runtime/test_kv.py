@@ -1,0 +1,71 @@
+"""The sequence state holds V4.1's format and nothing more; the indexer peak is the one the plan budgets;
+tiling the attention and the indexer changes no output."""
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from runtime import budget
+from runtime.checkpoint.footprint import Footprint
+from runtime.config import ModelConfig
+from runtime.engine import Engine
+from runtime.model import attention
+from runtime.model.kv import Ring, SeqState
+from runtime.plan import Plan
+from runtime.workload import make_prompt
+
+
+@pytest.mark.parametrize("name", ["tiny", "mini", "deepseek-v4.1-flash"])
+def test_kv_bytes_per_token_equal_the_footprint_and_the_formula_is_what_is_allocated(name):
+    cfg = ModelConfig.preset(name)
+    fp = Footprint.from_config(cfg)
+    a, b = SeqState.new(cfg, 512), SeqState.new(cfg, 1024)                 # contexts: multiples of every ratio
+    assert (b.context_bytes() - a.context_bytes()) / 512 == fp.kv_bytes_per_token == cfg.kv_bytes_per_token
+    assert a.fixed_bytes() == b.fixed_bytes()                              # the rings do not grow with context
+    for ctx, spare in [(512, 0), (1000, 3), (77, 1)]:
+        st = SeqState.new(cfg, ctx, spare)
+        assert st.context_bytes() + st.fixed_bytes() == budget.kv_state_bytes(fp, ctx, spare)
+    if name == "deepseek-v4.1-flash":
+        assert fp.kv_bytes_per_token == 890                                  # the card's figure
+
+
+def test_a_ring_refuses_positions_it_no_longer_holds():
+    r = Ring(3, (2,), torch.float32, "cpu")
+    r.write(torch.arange(0, 6), torch.arange(12, dtype=torch.float32).view(6, 2))
+    assert r.get(3, 6)[0].tolist() == [[6, 7], [8, 9], [10, 11]]
+    with pytest.raises(RuntimeError, match="ring lost positions 2..3"):
+        r.get(2, 4)
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny_dir):
+    return make_prompt(Tokenizer.from_file(str(tiny_dir / "tokenizer.json")), 150, seed=3)
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 150])
+def test_the_indexer_peak_measured_is_the_one_budgeted(tiny_dir, prompt, chunk):
+    plan = Plan(prefill_chunk=chunk, max_context=160)
+    e = Engine(tiny_dir, plan)
+    try:
+        fp = e.ck.footprint()
+        r = e.generate(prompt, 2)
+        assert r.indexer_peak_bytes == r.indexer_peak_formula_bytes == budget.indexer_peak_bytes(fp, chunk, len(prompt)) > 0
+        assert r.indexer_peak_bytes <= budget.indexer_bound_bytes(plan, fp)   # what admission counted
+    finally:
+        e.close()
+
+
+def test_tiling_changes_no_output_and_the_formula_follows_it(tiny_dir, prompt, monkeypatch):
+    plan = Plan(prefill_chunk=48, max_context=160)
+    e = Engine(tiny_dir, plan)
+    try:
+        ref = e.generate(prompt, 6, keep_logits=True)
+        monkeypatch.setattr(budget, "TILE_ELEMS", 16)                      # a few keys per tile
+        monkeypatch.setattr(budget, "Q_BLOCK", 5)
+        monkeypatch.setattr(attention, "Q_BLOCK", 5)                       # blocks of 5 queries
+        tiled = e.generate(prompt, 6, keep_logits=True)
+    finally:
+        e.close()
+    assert tiled.tokens == ref.tokens
+    for a, b in zip(tiled.logits, ref.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert tiled.indexer_peak_bytes == budget.indexer_peak_bytes(e.ck.footprint(), 48, len(prompt)) < ref.indexer_peak_bytes
