@@ -82,12 +82,18 @@ class Fp4Bank:
 
     @classmethod
     def from_experts(cls, experts) -> "Fp4Bank":
-        """experts: list of dicts {w1, w2, w3: (codes u8, scales u8)} as stored in the checkpoint."""
-        w13c = np.stack([np.concatenate([np.asarray(e["w1"][0]), np.asarray(e["w3"][0])]) for e in experts])
-        w13s = np.stack([np.concatenate([np.asarray(e["w1"][1]), np.asarray(e["w3"][1])]) for e in experts])
-        w2c = np.stack([np.asarray(e["w2"][0]) for e in experts])
-        w2s = np.stack([np.asarray(e["w2"][1]) for e in experts])
-        return cls(np.ascontiguousarray(w13c), np.ascontiguousarray(w13s), np.ascontiguousarray(w2c), np.ascontiguousarray(w2s))
+        """experts: list of dicts {w1, w2, w3: (codes u8, scales u8)} as stored in the checkpoint. Copied
+        once, straight into the bank's arrays (no temporaries: the bank is all it allocates)."""
+        (c1, s1), (c2, s2) = experts[0]["w1"], experts[0]["w2"]
+        I, E = np.shape(c1)[0], len(experts)
+        w13c = np.empty((E, 2 * I) + np.shape(c1)[1:], np.uint8)
+        w13s = np.empty((E, 2 * I) + np.shape(s1)[1:], np.uint8)
+        w2c, w2s = np.empty((E,) + np.shape(c2), np.uint8), np.empty((E,) + np.shape(s2), np.uint8)
+        for i, e in enumerate(experts):
+            w13c[i, :I], w13c[i, I:] = e["w1"][0], e["w3"][0]
+            w13s[i, :I], w13s[i, I:] = e["w1"][1], e["w3"][1]
+            w2c[i], w2s[i] = e["w2"]
+        return cls(w13c, w13s, w2c, w2s)
 
     @classmethod
     def random(cls, n_experts: int, hidden: int, inter: int, seed: int = 0) -> "Fp4Bank":
@@ -127,8 +133,9 @@ def _dot_scalar(R, codes, c_off, c_stride, scales, s_off, s_stride, x, x_off, st
 
 @njit(nogil=True, cache=CACHE)
 def _plan_slots(ids, n_experts):
-    """Group (token, k) assignments by expert, ascending; id -1 is no assignment (skipped).
-    -> experts [S], counts [S], tok [S, Tm], kk [S, Tm]."""
+    """Group (token, k) assignments by expert, ascending; id -1 is no assignment (skipped). Packed, no
+    padding: slot s owns assignments off[s]..off[s+1]-1 (scratch = assignments x width, exactly).
+    -> experts [S], off [S+1], tok [A], kk [A]."""
     T, K = ids.shape
     cnt = np.zeros(n_experts, np.int64)
     for t in range(T):
@@ -140,31 +147,31 @@ def _plan_slots(ids, n_experts):
                 raise ValueError("expert id out of range for the bank")
             cnt[e] += 1
     S = 0
-    Tm = 0
     for e in range(n_experts):
         if cnt[e] > 0:
             S += 1
-            Tm = max(Tm, cnt[e])
     experts = np.empty(S, np.int64)
-    counts = np.zeros(S, np.int64)
+    off = np.zeros(S + 1, np.int64)
     slot_of = -np.ones(n_experts, np.int64)
     s = 0
     for e in range(n_experts):
         if cnt[e] > 0:
             experts[s] = e
             slot_of[e] = s
+            off[s + 1] = off[s] + cnt[e]
             s += 1
-    tok = np.empty((S, Tm), np.int64)
-    kk = np.empty((S, Tm), np.int64)
+    fill = off[:-1].copy()
+    tok = np.empty(off[S], np.int64)
+    kk = np.empty(off[S], np.int64)
     for t in range(T):
         for k in range(K):
             if ids[t, k] == -1:
                 continue
             s = slot_of[ids[t, k]]
-            tok[s, counts[s]] = t
-            kk[s, counts[s]] = k
-            counts[s] += 1
-    return experts, counts, tok, kk
+            tok[fill[s]] = t
+            kk[fill[s]] = k
+            fill[s] += 1
+    return experts, off, tok, kk
 
 
 def _dot(R, T, lanes, codes, c_off, c_stride, scales, s_off, s_stride, x, x_off, x_stride, stab, ng, out, o_off, o_stride, or_stride):
@@ -213,10 +220,12 @@ def _deq_scalar(codes, c_off, scales, s_off, stab, ng, out, o_off):
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _matvecs(codes, scales, experts, counts, xs, out, stab):
-    """out[s, j, r] = W_{experts[s]}[r] . x(s, j) for j < counts[s]; xs [S, Tm, K] de-interleaved."""
-    S, Tm, N = out.shape
-    K = xs.shape[2]
+def _matvecs(codes, scales, experts, off, xs, out, stab):
+    """out[a, r] = W_{experts[s]}[r] . x(a) for assignments a of slot s (off[s] <= a < off[s+1]);
+    xs [A, K] de-interleaved, out [A, N]."""
+    S = len(experts)
+    N = out.shape[1]
+    K = xs.shape[1]
     ng = K // 32
     c_row, s_row = K // 2, K // 32
     xf = xs.reshape(-1)
@@ -233,11 +242,11 @@ def _matvecs(codes, scales, experts, counts, xs, out, stab):
         for r in range(r0, r0 + q):                    # rows r, r+q, r+2q, r+3q: 4 DRAM streams
             c_off = (e * N + r) * c_row
             s_off = (e * N + r) * s_row
-            j = 0
-            while j < counts[s]:                          # tokens in blocks of 4 share each row decode
-                x_off = (s * Tm + j) * K
-                o_off = (s * Tm + j) * N + r
-                left = counts[s] - j
+            j = off[s]
+            while j < off[s + 1]:                         # tokens in blocks of 4 share each row decode
+                x_off = j * K
+                o_off = j * N + r
+                left = off[s + 1] - j
                 if left >= 4:
                     _dot(4, 4, LANES, cf, c_off, q * c_row, sf, s_off, q * s_row, xf, x_off, K, stab, ng, of, o_off, N, q)
                     j += 4
@@ -261,39 +270,33 @@ def _deinterleave_into(dst, src):
 
 
 @njit(nogil=True, cache=CACHE)
-def _gather_inputs(x, experts, counts, tok):
-    S, Tm = tok.shape
-    xs = np.zeros((S, Tm, x.shape[1]), np.float32)
-    for s in range(S):
-        for j in range(counts[s]):
-            _deinterleave_into(xs[s, j], x[tok[s, j]])
+def _gather_inputs(x, tok):
+    xs = np.empty((len(tok), x.shape[1]), np.float32)
+    for a in range(len(tok)):
+        _deinterleave_into(xs[a], x[tok[a]])
     return xs
 
 
 @njit(nogil=True, cache=CACHE)
-def _swiglu_inputs(h, counts, inter):
-    S, Tm, _ = h.shape
-    a = np.zeros((S, Tm, inter), np.float32)
+def _swiglu_inputs(h, inter):
+    a = np.empty((h.shape[0], inter), np.float32)
     tmp = np.empty(inter, np.float32)
-    for s in range(S):
-        for j in range(counts[s]):
-            for i in range(inter):
-                g = h[s, j, i]
-                tmp[i] = g / (np.float32(1.0) + np.exp(-g)) * h[s, j, inter + i]
-            _deinterleave_into(a[s, j], tmp)
+    for j in range(h.shape[0]):
+        for i in range(inter):
+            g = h[j, i]
+            tmp[i] = g / (np.float32(1.0) + np.exp(-g)) * h[j, inter + i]
+        _deinterleave_into(a[j], tmp)
     return a
 
 
 @njit(nogil=True, cache=CACHE)
-def _combine(y, counts, tok, kk, wts, out):
-    """out[t] += w[t, k] * y[s, j], slots in ascending expert order (fixed: deterministic)."""
-    S = y.shape[0]
-    for s in range(S):
-        for j in range(counts[s]):
-            t = tok[s, j]
-            w = wts[t, kk[s, j]]
-            for r in range(out.shape[1]):
-                out[t, r] += w * y[s, j, r]
+def _combine(y, tok, kk, wts, out):
+    """out[t] += w[t, k] * y[a], assignments in ascending expert order (fixed: deterministic)."""
+    for a in range(len(tok)):
+        t = tok[a]
+        w = wts[t, kk[a]]
+        for r in range(out.shape[1]):
+            out[t, r] += w * y[a, r]
 
 
 def expert_ffn(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, bank: Fp4Bank, threads: int | None = None,
@@ -309,16 +312,16 @@ def expert_ffn(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, bank: Fp4Bank, t
         raise ValueError(f"expert_ffn: x {x.shape}, ids {ids.shape}, wts {wts.shape} do not fit a bank of hidden {bank.hidden}")
     set_threads(threads)
     y = np.zeros((T, H), np.float32) if out is None else out
-    experts, counts, tok, kk = _plan_slots(ids, bank.n_experts)
+    experts, off, tok, kk = _plan_slots(ids, bank.n_experts)
     if len(experts) == 0:
         return y
-    xs = _gather_inputs(x, experts, counts, tok)
-    h = np.empty((len(experts), tok.shape[1], 2 * bank.inter), np.float32)
-    _matvecs(bank.w13_codes, bank.w13_scales, experts, counts, xs, h, STAB)
-    a = _swiglu_inputs(h, counts, bank.inter)
-    d = np.empty((len(experts), tok.shape[1], H), np.float32)
-    _matvecs(bank.w2_codes, bank.w2_scales, experts, counts, a, d, STAB)
-    _combine(d, counts, tok, kk, wts, y)
+    xs = _gather_inputs(x, tok)                                    # [A, H]: A = assignments (<= T K)
+    h = np.empty((len(tok), 2 * bank.inter), np.float32)           # [A, 2I]
+    _matvecs(bank.w13_codes, bank.w13_scales, experts, off, xs, h, STAB)
+    a = _swiglu_inputs(h, bank.inter)                              # [A, I]
+    d = np.empty((len(tok), H), np.float32)                        # [A, H]
+    _matvecs(bank.w2_codes, bank.w2_scales, experts, off, a, d, STAB)
+    _combine(d, tok, kk, wts, y)
     return y
 
 

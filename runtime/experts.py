@@ -9,6 +9,7 @@ Backends implement routed(layer, m [T, H], ids [T, K], wts [T, K]) -> [T, H] and
                   per expert, each tensor sliced at its own header offset), nvme_mmap through the page
                   cache (the checkpoint's mapping)
     prefill       `prefill_moe_path` device: wide calls stream through a staging buffer (staging.py)
+    NVMe batches  a call's NVMe-tier experts are read and computed NVME_BATCH at a time (bounded buffers)
     slot cache    `slot_cache_experts` experts on the device, LRU over all layers, hit/miss counters;
                   filled at load with each layer's lowest expert ids (no routing statistics yet),
                   then by gathers. On a CPU-only host the device is the CPU and the cache still works.
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from hostinfo import clamp_threads
+from runtime.budget import NVME_BATCH
 from kernels.cpu_moe import Fp4Bank, expert_ffn
 from runtime.checkpoint.reader import Checkpoint
 from runtime.io_reader import BatchedReader
@@ -206,6 +208,7 @@ class PlacedExperts:
         self.layer_calls = 0
         self.experts_read = 0                 # routed experts read, summed over layer calls (the union per call)
         self.drafter_experts_read = 0         # the drafter's experts (top-k per drafted token and layer)
+        self.gathered = 0                     # experts copied into the slot cache since load
 
     # ------------------------------------------------------------------ sources
     def _source(self, layer, experts) -> tuple[Fp4Bank, int]:
@@ -246,9 +249,11 @@ class PlacedExperts:
         return bank, sub, np.where(sub >= 0, wts, 0.0).astype(np.float32)
 
     def _groups(self, layer, experts):
-        """(bank, experts, rows): the host bank's experts in place, then the NVMe tier's (only those read)."""
+        """(bank, experts, rows): the host bank's experts in place, then the NVMe tier's (only those
+        read), NVME_BATCH at a time, so one call's read buffers stay bounded however wide it is."""
         r = self.resident[layer]
-        for group in ([e for e in experts if e < r], [e for e in experts if e >= r]):
+        nvme = [e for e in experts if e >= r]
+        for group in [[e for e in experts if e < r]] + [nvme[i:i + NVME_BATCH] for i in range(0, len(nvme), NVME_BATCH)]:
             if group:
                 bank, rows = self._fetch(layer, group)
                 yield bank, group, rows
@@ -311,6 +316,7 @@ class PlacedExperts:
         for e in keys:
             self.cache.lookup((layer, e))
         todo = [e for e in keys if (layer, e) not in self.cache.where]
+        self.gathered += len(todo)
         for bank, group, rows in self._groups(layer, todo):
             for e, r in zip(group, rows):
                 self.cache.put((layer, e), bank, r)

@@ -7,7 +7,11 @@ The prompt comes from the workload generator (natural text through the checkpoin
 Cold: the checkpoint's files are evicted from the page cache (posix_fadvise DONTNEED, checked with
 mincore) before the engine loads; warm: the same request again on the loaded engine. Refusals (a
 prompt past the plan's context, a plan over its budgets) happen before anything is loaded.
---json prints one object: ttft_s, decode_tok_s, tokens (warm), phases, plan, cold, warm, load_s.
+Memory: the kernels are warmed first (compiled, thread pools started); then what loading and the
+requests add is measured (runtime/memwatch.py) beside what the plan counts (runtime/budget.py):
+anonymous RSS, file-backed RSS (the mapped checkpoint) and, on a GPU, device memory.
+--json prints one object: ttft_s, decode_tok_s, tokens (warm), phases, plan, cold, warm, load_s,
+memory {planned: {anon, file, device}, measured: {anon_added, file_added, ..., device_peak}}.
 """
 from __future__ import annotations
 
@@ -23,10 +27,37 @@ from runtime.workload import Workload
 WL = {"prompt_tokens": Workload.prompt_tokens, "max_tokens": Workload.max_tokens}
 
 
+def _measured(watch, engine, root) -> dict | None:
+    """Bytes the load and the requests added: anonymous and file-backed RSS (sampled peaks above the
+    start), the checkpoint mapping's resident pages and, on a GPU, the device's peak allocation."""
+    from runtime.memwatch import mapped_rss
+    m = watch.result()
+    if m is not None:
+        m["checkpoint_mapped"] = mapped_rss(root)
+    if m is not None and engine.device.startswith("cuda"):
+        import torch
+        m["device_peak"] = torch.cuda.max_memory_allocated()
+    return m
+
+
+def _memory_rows(memory) -> list:
+    p, m = memory["planned"], memory["measured"]
+    if m is None:
+        return [("memory", "not measured: no /proc/self/status on this host", "")]
+    rows = [("anonymous RSS added MB", p["anon"], m["anon_added"]),
+            ("checkpoint mapping resident MB", p["file"], m["checkpoint_mapped"] or 0),
+            ("file-backed RSS added MB (libraries too)", p["file"], m["file_added"])]
+    if "device_peak" in m:
+        rows.append(("device memory MB", p["device"], m["device_peak"]))
+    return [(k, f"{a / 1e6:.1f}", f"{b / 1e6:.1f}") for k, a, b in rows]
+
+
 def cmd_run(args) -> int:
     from tokenizers import Tokenizer
 
-    from runtime.budget import check_plan, check_request
+    from kernels.warm import warm_up
+    from runtime.budget import check_plan, check_request, planned_bytes
+    from runtime.memwatch import RssWatch
     from runtime.checkpoint.reader import Checkpoint
     from runtime.engine import Engine
     from runtime.pagecache import evict, resident_fraction
@@ -41,19 +72,23 @@ def cmd_run(args) -> int:
     if not args.no_cold:
         evict(files)
         resident = sum(resident_fraction(f) for f in files) / len(files)
-    t0 = time.perf_counter()
-    engine = Engine(ck, plan)
-    load_s = time.perf_counter() - t0
-    try:
-        for phase in (("warm",) if args.no_cold else ("cold", "warm")):
-            r = engine.generate(prompt, args.max_tokens, temperature=args.temperature, seed=args.prompt_seed)
-            runs[phase] = r.to_dict()
-    finally:
-        engine.close()
+    warm_up(plan.cpu_threads or None)                  # one-time process costs stay out of the measurement
+    with RssWatch() as watch:
+        t0 = time.perf_counter()
+        engine = Engine(ck, plan)
+        load_s = time.perf_counter() - t0
+        try:
+            for phase in (("warm",) if args.no_cold else ("cold", "warm")):
+                r = engine.generate(prompt, args.max_tokens, temperature=args.temperature, seed=args.prompt_seed)
+                runs[phase] = r.to_dict()
+            memory = {"planned": planned_bytes(plan, ck.footprint(), engine.device == "cpu"),
+                      "measured": _measured(watch, engine, ck.root)}
+        finally:
+            engine.close()
     warm = runs["warm"]
     out = {"ttft_s": warm["ttft_s"], "decode_tok_s": warm["decode_tok_s"], "tokens": warm["tokens"],
            "phases": warm["phases"], "plan": plan.to_dict(), "load_s": load_s, "prompt_tokens": len(prompt),
-           "cold_resident_fraction_before_load": resident, **runs}
+           "cold_resident_fraction_before_load": resident, "memory": memory, **runs}
     if args.json:
         print(json.dumps(out))
         return 0
@@ -73,6 +108,12 @@ def cmd_run(args) -> int:
             t.add_row(f"  {'prefill' if part == 'prefill_phases' else 'decode'} {ph} s", *(f"{runs[n][part].get(ph, 0):.3f}" for n in runs))
     c = console()
     c.print(t)
+    mt = Table(title="memory: planned (runtime/budget.py) vs measured")
+    for col in ("", "planned", "measured"):
+        mt.add_column(col, justify="right" if col else "left")
+    for row in _memory_rows(memory):
+        mt.add_row(*row)
+    c.print(mt)
     c.print(f"load {load_s:.2f} s" + (f"; page cache before the cold load: {100 * resident:.1f}% resident" if resident is not None else ""))
     return 0
 
