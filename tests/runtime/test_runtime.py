@@ -4,6 +4,7 @@ Tolerance: the runtime computes in float32 (the ds_fp4 kernel accumulates in fp3
 float64; logits agree to ~3e-6 here, we allow 1e-4. Prompts are chosen so the reference's top-1/top-2
 margin stays above 20x that tolerance at every step, and so at least 16 distinct tokens come out.
 """
+import itertools
 import json
 
 import numpy as np
@@ -44,37 +45,64 @@ def case(ck, ref):
     pytest.fail("no prompt with a safe greedy margin among 20 seeds")
 
 
-# Pairwise cover of the exact knobs: an L9 orthogonal array over (slots, strategy, chunk, D) with D
-# mapped to (host budget, threads), plus one row for the pair L9 misses.
-SLOTS = (0, 20, 128)                       # none / some / all 8 x 16 experts
-STRATS = ("cpu", "offload", "hybrid")
-CHUNKS = (1, 7, 512)                       # one token, odd, the whole prompt
-D = ((None, 1), (0.0004, 2), (None, 2))   # host budget (GiB: 61 of 128 experts; the rest on NVMe), threads
-L9 = ((0, 0, 0, 0), (0, 1, 1, 1), (0, 2, 2, 2), (1, 0, 1, 2), (1, 1, 2, 0), (1, 2, 0, 1),
-      (2, 0, 2, 1), (2, 1, 0, 2), (2, 2, 1, 0))
-PLANS = [Plan(slot_cache_experts=SLOTS[a], moe_strategy=STRATS[b], prefill_chunk=CHUNKS[c],
-              host_expert_budget_gib=D[d][0], cpu_threads=D[d][1], fetch_fraction=0.5) for a, b, c, d in L9]
-PLANS.append(Plan(slot_cache_experts=20, moe_strategy="hybrid", prefill_chunk=7, host_expert_budget_gib=0.0004, cpu_threads=1))
+# Pairwise cover of the exact knobs: every pair of levels of any two factors meets in some plan. The
+# rows are built greedily (each the candidate covering the most uncovered pairs; deterministic).
+FACTORS = {
+    "slots": (0, 20, 128),                              # none / some / all 8 x 16 experts
+    "strategy": ("cpu", "offload", "hybrid"),
+    "chunk": (1, 7, 512),                               # one token, odd, the whole prompt
+    "tier": ((None, 1), (0.0004, 2), (None, 2)),        # host budget (GiB: 61 of 128 experts; the rest on NVMe), threads
+    "fetch_fraction": (0.0, 0.5, 1.0),
+    "engram": ("host", "nvme_direct", "nvme_mmap"),
+    "dspark": (0, 2, 4),                                # off, draft length 2, 4
+}
+
+
+def _pairwise(levels: list[int]) -> list[tuple]:
+    k = len(levels)
+    pairs = lambda r: {(i, r[i], j, r[j]) for i in range(k) for j in range(i + 1, k)}
+    todo = set().union(*(pairs(r) for r in itertools.product(*(range(n) for n in levels))))
+    rows = []
+    while todo:
+        best = max(itertools.product(*(range(n) for n in levels)), key=lambda r: len(pairs(r) & todo))
+        rows.append(best)
+        todo -= pairs(best)
+    return rows
+
+
+def _plan(row) -> Plan:
+    v = {name: levels[i] for (name, levels), i in zip(FACTORS.items(), row)}
+    return Plan(slot_cache_experts=v["slots"], moe_strategy=v["strategy"], prefill_chunk=v["chunk"],
+                host_expert_budget_gib=v["tier"][0], cpu_threads=v["tier"][1], fetch_fraction=v["fetch_fraction"],
+                engram_placement=v["engram"], engram_row_cache_mib=1 if v["engram"] == "nvme_direct" else 0,
+                dspark=bool(v["dspark"]), draft_length=v["dspark"] or 1)
+
+
+ROWS = _pairwise([len(v) for v in FACTORS.values()])
+PLANS = [_plan(r) for r in ROWS]
 # slot caches smaller than one call's distinct experts (a wide prefill chunk reads up to 16 per layer)
 SMALL = [Plan(slot_cache_experts=2, moe_strategy="offload", prefill_chunk=512, cpu_threads=2),
          Plan(slot_cache_experts=3, moe_strategy="hybrid", fetch_fraction=1.0, prefill_chunk=64, host_expert_budget_gib=0.0004)]
 
 
 def test_the_cover_is_pairwise():
-    vals = [(p.slot_cache_experts, p.moe_strategy, p.prefill_chunk, p.host_expert_budget_gib is None, p.cpu_threads) for p in PLANS]
-    for i in range(5):
-        for j in range(i + 1, 5):
-            want = {(x[i], y) for x in vals for y in {v[j] for v in vals}}
-            assert want <= {(v[i], v[j]) for v in vals}, (i, j)
+    k = len(FACTORS)
+    for i in range(k):
+        for j in range(i + 1, k):
+            want = {(a, b) for a in range(len(list(FACTORS.values())[i])) for b in range(len(list(FACTORS.values())[j]))}
+            assert want == {(r[i], r[j]) for r in ROWS}, (list(FACTORS)[i], list(FACTORS)[j])
+    assert len(ROWS) <= 18                                   # not the 2187 of the full grid
 
 
 @pytest.mark.parametrize("plan", PLANS + SMALL, ids=lambda p: f"{p.moe_strategy}-s{p.slot_cache_experts}-c{p.prefill_chunk}-"
-                         f"{'all' if p.host_expert_budget_gib is None else 'nvme'}-t{p.cpu_threads}")
+                         f"{'all' if p.host_expert_budget_gib is None else 'nvme'}-t{p.cpu_threads}-f{p.fetch_fraction}-"
+                         f"{p.engram_placement}-d{p.draft_length if p.dspark else 0}")
 def test_no_exact_knob_changes_greedy_output(ck, case, plan):
     prompt, r = case
     e = Engine(ck, plan)
     try:
         out = e.generate(prompt, STEPS, keep_logits=True)
+        gathered = e.experts.gathered
     finally:
         e.close()
     assert out.tokens == r.tokens
@@ -83,10 +111,17 @@ def test_no_exact_knob_changes_greedy_output(ck, case, plan):
     all_cached = plan.slot_cache_experts >= 128
     if plan.host_expert_budget_gib is not None and not all_cached:
         assert out.phases.get("nvme_read", 0) > 0              # the NVMe tier really served experts
-    if plan.slot_cache_experts and plan.moe_strategy != "cpu" and not all_cached:
-        assert out.phases.get("gather", 0) > 0
+    gathers = plan.moe_strategy == "offload" or (plan.moe_strategy == "hybrid" and plan.fetch_fraction > 0)
+    if plan.slot_cache_experts and gathers and not all_cached:
+        assert out.phases.get("gather", 0) > 0 and gathered > 0
+    if plan.moe_strategy == "hybrid" and plan.fetch_fraction == 0:
+        assert gathered == 0                                    # every miss stays on the CPU
     if all_cached:
         assert out.hit_rate == 1.0
+    if plan.dspark:
+        assert out.dspark["steps"] > 0 and out.dspark["drafted"] > 0
+    if plan.engram_placement == "nvme_direct":
+        assert out.engram["reads"] > 0                          # rows came from the O_DIRECT reader
 
 
 def test_bounded_replay_is_opt_in_and_measured(ck, case):
