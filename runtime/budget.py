@@ -139,11 +139,8 @@ def sequence_bytes(plan: Plan, fp: Footprint, where: str = "cpu") -> int:
 
 
 def device_bytes(plan: Plan, fp: Footprint) -> int:
-    """Dense + embeddings + the sequence (KV state, indexer peak, attention scratch) + slot cache
-    (+ drafter with DSpark, + the prefill staging buffer on the device prefill path): what the device holds."""
-    return int(fp.dense_bytes_per_token + fp.bytes_by_class["embeddings"] // 2 + sequence_bytes(plan, fp, "device")
-               + plan.slot_cache_experts * fp.expert_bytes + fp.drafter_dense_bytes
-               + staging_bytes(plan, fp))
+    """What a GPU host's device holds (breakdown's parts)."""
+    return sum(breakdown(plan, fp, on_cpu=False)["device"].values())
 
 
 def staging_bytes(plan: Plan, fp: Footprint) -> int:
@@ -187,28 +184,49 @@ def drafter_expert_bytes(plan: Plan, fp: Footprint) -> int:
     return fp.bytes_by_class["drafter"] - fp.drafter_dense_bytes if plan.dspark else 0
 
 
-def host_bytes(plan: Plan, fp: Footprint, dense_on_host: bool = False) -> int:
-    """Resident routed experts, the shared experts, Engram in RAM, the drafter's experts with DSpark,
-    and (CPU hosts: `dense_on_host`) the dense weights (the drafter's included) as the runtime holds
-    them and the sequence; on a GPU host the CPU's share of the forward's temporaries."""
+def resident_routed_bytes(plan: Plan, fp: Footprint) -> int:
+    """Routed experts in the host banks: all, or whole experts up to host_expert_budget_gib."""
     routed = fp.routed_expert_bytes_total
-    if plan.host_expert_budget_gib is not None:
-        routed = min(routed, int(plan.host_expert_budget_gib * GIB) // fp.expert_bytes * fp.expert_bytes)
-    engram = engram_host_bytes(plan, fp)
-    dense = (dense_host_bytes(fp) + sequence_bytes(plan, fp) if dense_on_host
-             else fp.bytes_by_class["shared_expert"] + transient_bytes(plan, fp, "host"))
-    drafter = drafter_expert_bytes(plan, fp) + (fp.drafter_dense_bytes if dense_on_host else 0)
-    return routed + engram + dense + drafter
+    if plan.host_expert_budget_gib is None:
+        return routed
+    return min(routed, int(plan.host_expert_budget_gib * GIB) // fp.expert_bytes * fp.expert_bytes)
+
+
+def breakdown(plan: Plan, fp: Footprint, on_cpu: bool) -> dict:
+    """{'host': {part: bytes}, 'device': {part: bytes}}: every byte a plan's run holds, by tier and
+    part. host_bytes and device_bytes are these sums; the cost model, admission, `dsv41-run` and
+    `dsv41-checkpoint inspect --plan` all read them from here."""
+    host = {"routed experts (host banks)": resident_routed_bytes(plan, fp), "Engram": engram_host_bytes(plan, fp),
+            "drafter experts": drafter_expert_bytes(plan, fp)}
+    if on_cpu:
+        host.update({"dense, shared experts, embeddings (as held)": dense_host_bytes(fp),
+                     "drafter dense": fp.drafter_dense_bytes,
+                     "KV state at max_context": kv_state_bytes(fp, plan.max_context, spare(plan)),
+                     "largest forward's temporaries": transient_bytes(plan, fp, "cpu")})
+        return {"host": host, "device": {}}
+    host.update({"shared experts": fp.bytes_by_class["shared_expert"],
+                 "forward temporaries (CPU share)": transient_bytes(plan, fp, "host")})
+    device = {"dense + shared + LM head": fp.dense_bytes_per_token,
+              "embedding table": fp.bytes_by_class["embeddings"] // 2,
+              "drafter dense": fp.drafter_dense_bytes,
+              "KV state at max_context": kv_state_bytes(fp, plan.max_context, spare(plan)),
+              "largest forward's temporaries": transient_bytes(plan, fp, "device"),
+              "slot cache": plan.slot_cache_experts * fp.expert_bytes,
+              "prefill staging buffer": staging_bytes(plan, fp)}
+    return {"host": host, "device": device}
+
+
+def host_bytes(plan: Plan, fp: Footprint, dense_on_host: bool = False) -> int:
+    """What the host holds (breakdown's parts): on a CPU host (`dense_on_host`) everything; on a GPU
+    host the expert banks, Engram, the drafter's experts and the CPU's share of the temporaries."""
+    return sum(breakdown(plan, fp, on_cpu=dense_on_host)["host"].values())
 
 
 def mapped_bytes(plan: Plan, fp: Footprint) -> int:
     """Checkpoint bytes the runtime reads through its mapping (file-backed, reclaimable page cache):
     all it copies at load, and the tiers it reads through the page cache (nvme_mmap), at most whole;
     the NVMe tiers read with O_DIRECT (nvme_direct) never touch the mapping."""
-    routed = fp.routed_expert_bytes_total
-    resident = routed if plan.host_expert_budget_gib is None else \
-        min(routed, int(plan.host_expert_budget_gib * GIB) // fp.expert_bytes * fp.expert_bytes)
-    skip = (routed - resident) if plan.expert_nvme_path == "nvme_direct" else 0
+    skip = (fp.routed_expert_bytes_total - resident_routed_bytes(plan, fp)) if plan.expert_nvme_path == "nvme_direct" else 0
     skip += fp.bytes_by_class["drafter"] - fp.drafter_dense_bytes - drafter_expert_bytes(plan, fp)
     if plan.engram_placement == "nvme_direct":        # the scales kept in RAM are copied through the mapping
         skip += fp.engram_bytes_total - (fp.engram_rows_total * 8 if plan.engram_scales_in_ram else 0)

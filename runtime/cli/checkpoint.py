@@ -47,8 +47,9 @@ def cmd_inspect(args) -> int:
     from runtime.checkpoint.reader import Checkpoint
     ck = Checkpoint(args.dir)
     fp = ck.footprint()
+    tiers = _plan_tiers(args.plan, fp) if args.plan else None
     if args.json:
-        print(json.dumps(fp.to_dict()))
+        print(json.dumps(fp.to_dict() | ({"plan_bytes": tiers} if tiers else {})))
         return 0
     from rich.table import Table
     cfg = ck.config
@@ -85,7 +86,25 @@ def cmd_inspect(args) -> int:
         lay.add_row(str(i), kind + extra, cfg.layer_mode(i), fmt_bytes(fp.routed_bytes_by_layer[i]),
                     fmt_bytes(fp.other_bytes_by_layer[i]))
     c.print(lay)
+    if tiers:
+        for host, parts in tiers.items():
+            pt = Table(title=f"the plan's bytes on a {host.replace('_', ' ')} (runtime/budget.py, as admission counts them)")
+            pt.add_column("tier"), pt.add_column("part"), pt.add_column("bytes", justify="right")
+            for tier, d in parts.items():
+                for part, nb in d.items():
+                    pt.add_row(tier, part, fmt_bytes(nb))
+                if d:
+                    pt.add_row(tier, "[b]total[/b]", f"[b]{fmt_bytes(sum(d.values()))}[/b]")
+            c.print(pt)
     return 0
+
+
+def _plan_tiers(plan_path, fp) -> dict:
+    """The plan's bytes by tier and part on a CPU host and on a GPU host (runtime/budget.py breakdown)."""
+    from runtime.budget import breakdown
+    from runtime.plan import Plan
+    plan = Plan.load(plan_path)
+    return {"cpu_host": breakdown(plan, fp, on_cpu=True), "gpu_host": breakdown(plan, fp, on_cpu=False)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="print a checkpoint's footprint from its shard headers")
     i.add_argument("dir")
     i.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    i.add_argument("--plan", help="a plan or profile JSON: also print its bytes per tier and part, as admission counts them")
     i.set_defaults(fn=cmd_inspect)
     return p
 

@@ -25,3 +25,38 @@ def test_dense_weights_are_held_as_fp8_and_counted(tiny_dir):
         assert host_bytes(Plan(), fp, dense_on_host=True) >= planned + fp.routed_expert_bytes_total
     finally:
         e.close()
+
+
+def test_inspect_the_cost_model_and_admission_count_the_same_bytes(full_skeleton, tmp_path, capsys):
+    """One accounting: `dsv41-checkpoint inspect --plan` on the V4.1 skeleton, `predict` (what
+    `dsv41-tune plan` prints) and the runtime's admission all read runtime/budget.py."""
+    import copy
+    import json
+
+    import pytest
+
+    from autotune.costmodel import GRAPHS_BYTES, OS_HEADROOM, predict
+    from runtime.budget import DoesNotFit, check_plan, device_bytes
+    from runtime.cli.checkpoint import main
+    from runtime.profile import load_profile
+    from runtime.workload import Workload
+    plan = Plan(max_context=65536, prefill_chunk=1024, slot_cache_experts=200, moe_strategy="hybrid",
+                host_expert_budget_gib=120, engram_placement="nvme_direct", dspark=True, draft_length=3)
+    (tmp_path / "plan.json").write_text(json.dumps(plan.to_dict()))
+    assert main(["inspect", str(full_skeleton), "--plan", str(tmp_path / "plan.json"), "--json"]) == 0
+    tiers = json.loads(capsys.readouterr().out)["plan_bytes"]
+    cpu_host, gpu_host = (sum(tiers[h]["host"].values()) for h in ("cpu_host", "gpu_host"))
+    gpu_dev = sum(tiers["gpu_host"]["device"].values())
+    from runtime.checkpoint.reader import Checkpoint
+    fp = Checkpoint(full_skeleton).footprint()
+    gpu = load_profile("profiles/5090-epyc.json")
+    cpu = copy.deepcopy(gpu)
+    cpu["host"]["hard"].update(gpu_name="", gpu_vram_gib=0)
+    wl = Workload(4096, 64)
+    assert predict(plan, gpu, fp, wl).memory["host"] == gpu_host + OS_HEADROOM
+    assert predict(plan, gpu, fp, wl).memory["vram"] == gpu_dev + GRAPHS_BYTES == device_bytes(plan, fp) + GRAPHS_BYTES
+    assert predict(plan.replace(slot_cache_experts=0, moe_strategy="cpu"), cpu, fp, wl).memory["host"] == \
+        host_bytes(plan.replace(slot_cache_experts=0, moe_strategy="cpu"), fp, dense_on_host=True) + OS_HEADROOM
+    with pytest.raises(DoesNotFit, match=f"keeps {cpu_host / 2**30:.2f} GiB in host RAM"):   # admission: the same figure
+        check_plan(plan, fp, available=cpu_host - 1, dense_on_host=True)
+    check_plan(plan, fp, available=cpu_host, dense_on_host=True)
