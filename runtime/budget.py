@@ -206,8 +206,7 @@ def breakdown(plan: Plan, fp: Footprint, on_cpu: bool) -> dict:
         return {"host": host, "device": {}}
     host.update({"shared experts": fp.bytes_by_class["shared_expert"],
                  "forward temporaries (CPU share)": transient_bytes(plan, fp, "host")})
-    device = {"dense + shared + LM head": fp.dense_bytes_per_token,
-              "embedding table": fp.bytes_by_class["embeddings"] // 2,
+    device = {"dense (fp8 as stored) + LM head, embedding table": dense_host_bytes(fp) - fp.bytes_by_class["shared_expert"],
               "drafter dense": fp.drafter_dense_bytes,
               "KV state at max_context": kv_state_bytes(fp, plan.max_context, spare(plan)),
               "largest forward's temporaries": transient_bytes(plan, fp, "device"),

@@ -85,7 +85,8 @@ def verify_drafts(V, drafts, qs, temperature, gen) -> tuple[int, int]:
 
 
 class Engine:
-    def __init__(self, checkpoint, plan: Plan | None = None, reference: bool = False, device: str | None = None):
+    def __init__(self, checkpoint, plan: Plan | None = None, reference: bool = False, device: str | None = None,
+                 dense_kernel: str | None = None):
         self.ck = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
         self.cfg = self.ck.config
         self.plan = plan or Plan()
@@ -97,7 +98,10 @@ class Engine:
         if not reference:
             check_plan(self.plan, self.ck.footprint(), dense_on_host=self.device == "cpu")
         t0 = time.perf_counter()
-        dense = load_dense(self.ck, dtype, self.device, keep_fp8=not reference and self.device == "cpu")
+        # fp8 linears as stored: numba on the CPU, Triton on CUDA (dense_kernel="triton" forces it: tests
+        # run it on CPU tensors under TRITON_INTERPRET=1)
+        kernel = dense_kernel or ("numba" if self.device == "cpu" else "triton")
+        dense = load_dense(self.ck, dtype, self.device, keep_fp8=not reference, fp8_kernel=kernel)
         self.experts = ReferenceExperts(self.ck) if reference else PlacedExperts(self.ck, self.plan, device=self.device)
         p = self.plan
         self.engram = (EngramStore(self.ck) if reference else

@@ -34,6 +34,7 @@ from kernels.fp8_dense import Fp8Weight, fp8_linear
 from runtime.config import ModelConfig
 from runtime.model.attention import attend, select
 from runtime.model.kv import SeqState
+from runtime.model.weights import DeviceFp8Weight
 
 
 def rmsnorm(x, w=None, eps=1e-6):
@@ -82,6 +83,9 @@ class Model:
         w = self.w[name + ".weight"]
         if isinstance(w, Fp8Weight):                       # fp8 as stored: decoded in the kernel
             return fp8_linear(x, w).to(self.dtype)
+        if isinstance(w, DeviceFp8Weight):                 # fp8 as stored on the device: the Triton kernel
+            from kernels.triton_gpu import fp8_block_matmul
+            return fp8_block_matmul(x.to(torch.float32), w.q, w.scale, w.block).to(self.dtype)
         return x @ w.T
 
     # ------------------------------------------------------------------ forward

@@ -1,13 +1,18 @@
 """Dense weights in compute form, and the experts' raw ds_fp4 views.
 
 `load_dense(ck, dtype, device, keep_fp8)` returns every non-expert, non-Engram-table tensor by name.
-With keep_fp8 (the runtime on the CPU) fp8 linears stay as stored, codes + E8M0 block scales in an
-`Fp8Weight` (1 B per weight, computed by kernels/fp8_dense.py); otherwise (the float64 reference, and
-the CUDA path for now) they are dequantized with the config's block size. BF16/F32 become `dtype`.
+With keep_fp8 fp8 linears stay as stored (1 B per weight + E8M0 block scales): on the CPU an
+`Fp8Weight` computed by kernels/fp8_dense.py (numba); with fp8_kernel="triton" (the CUDA path, or CPU
+tensors under TRITON_INTERPRET=1 in tests) a `DeviceFp8Weight` on `device`, computed by the Triton
+kernel kernels/triton_gpu.py fp8_block_matmul (square blocks; others are dequantized). Without
+keep_fp8 (the float64 reference) they are dequantized with the config's block size. BF16/F32 become
+`dtype`, except the embedding table, kept as stored when keep_fp8 (rows are looked up a few at a time).
 Experts are never dequantized here: `expert_raw` hands the checkpoint's codes and scales to the
 placement layer, which builds banks from them.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,15 +23,31 @@ from runtime.checkpoint.layout import tensor_specs
 from runtime.checkpoint.reader import Checkpoint
 
 
-def load_dense(ck: Checkpoint, dtype=torch.float32, device="cpu", keep_fp8: bool = False) -> dict:
+@dataclass(frozen=True)
+class DeviceFp8Weight:
+    q: torch.Tensor          # float8_e4m3fn [N, K] on the device
+    scale: torch.Tensor      # uint8 [ceil(N / B), ceil(K / B)]: E8M0
+    block: tuple
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scale.numel()
+
+
+def load_dense(ck: Checkpoint, dtype=torch.float32, device="cpu", keep_fp8: bool = False, fp8_kernel: str = "numba") -> dict:
     cfg, out = ck.config, {}
+    triton = keep_fp8 and fp8_kernel == "triton" and cfg.fp8_block[0] == cfg.fp8_block[1]
     for s in tensor_specs(cfg):
         if s.cls in ("routed_experts", "engram_tables") or ".experts." in s.name or ".shared_experts." in s.name:
             continue
         if s.name.endswith(".scale"):
             continue
         t = ck.tensor(s.name)
-        if s.dtype == "F8_E4M3" and keep_fp8:          # anonymous copies, as stored (not the file mapping)
+        if s.dtype == "F8_E4M3" and triton:            # as stored, on the device
+            out[s.name] = DeviceFp8Weight(t.to(device, copy=True), ck.tensor(s.name[:-7] + ".scale").to(device, copy=True),
+                                          tuple(cfg.fp8_block))
+            continue
+        if s.dtype == "F8_E4M3" and keep_fp8 and fp8_kernel == "numba":   # anonymous copies, as stored (not the mapping)
             out[s.name] = Fp8Weight(np.array(ck.raw(s.name)).reshape(s.shape), np.array(ck.raw(s.name[:-7] + ".scale"))
                                     .reshape(ck.infos[s.name[:-7] + ".scale"].shape), tuple(cfg.fp8_block))
             continue

@@ -149,3 +149,28 @@ def test_expert_nvme_path_changes_how_the_tier_is_read(tiny_dir):
         finally:
             e.close()
     assert out["nvme_direct"].tokens == out["nvme_mmap"].tokens
+
+
+def test_the_triton_fp8_dense_path_keeps_the_reference_output(tiny_dir):
+    """The CUDA dense path: fp8 linears stay as stored on the device and the Triton kernel computes
+    them (no float32 copy); greedy output and logits are the float64 reference's."""
+    if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA and triton already imported without TRITON_INTERPRET=1")
+    from tokenizers import Tokenizer
+
+    from runtime.engine import Engine
+    from runtime.model.weights import DeviceFp8Weight
+    from runtime.workload import make_prompt
+    prompt = make_prompt(Tokenizer.from_file(str(tiny_dir / "tokenizer.json")), 12, seed=5)
+    ref = Engine(tiny_dir, reference=True).generate(prompt, 4, keep_logits=True)
+    e = Engine(tiny_dir, Plan(prefill_chunk=12), device=DEV, dense_kernel="triton")
+    try:
+        w = e.model.w
+        fp8 = [k for k, s in e.ck.infos.items() if s.dtype == "F8_E4M3" and k in w]
+        assert fp8 and all(isinstance(w[k], DeviceFp8Weight) and w[k].q.dtype == torch.float8_e4m3fn for k in fp8)
+        out = e.generate(prompt, 4, keep_logits=True)
+    finally:
+        e.close()
+    assert out.tokens == ref.tokens
+    for a, b in zip(out.logits, ref.logits):
+        assert (a.double() - b).abs().max() < 1e-4
