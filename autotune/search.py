@@ -18,7 +18,7 @@ import math
 import optuna
 
 from autotune.costmodel import OS_HEADROOM, MissingFigure, Prediction, predict
-from runtime.budget import dense_host_bytes
+from runtime.budget import host_bytes
 from runtime.checkpoint.footprint import Footprint
 from runtime.plan import Plan
 from runtime.workload import Workload
@@ -49,21 +49,15 @@ def suggest_plan(trial: optuna.Trial, profile: dict, fp: Footprint, wl: Workload
     cores = int(profile["host"]["hard"]["physical_cores"])
     need = wl.prompt_tokens + wl.max_tokens
     contexts = [c for c in CONTEXTS if c >= need] or [need]
-    routed_gib = fp.routed_expert_bytes_total / 2**30
-    # experts kept in RAM never exceed what the host's RAM leaves after the OS headroom and (no GPU) the
-    # dense weights: sampling past it only finds infeasible plans (24 GiB host, V4.1: 99% of 0-246 GiB)
-    ram_gib = float(profile["host"]["hard"].get("ram_gib") or routed_gib)
-    fixed = OS_HEADROOM + (0 if gpu else dense_host_bytes(fp))
-    budget_hi = min(routed_gib, ram_gib - fixed / 2**30)
+    routed = fp.routed_expert_bytes_total
     kw = dict(
         moe_strategy=trial.suggest_categorical("moe_strategy", ["cpu", "offload", "hybrid"] if gpu else ["cpu"]),
         fetch_fraction=trial.suggest_float("fetch_fraction", 0.0, 1.0, step=0.05),
         slot_cache_experts=trial.suggest_int("slot_cache_experts", 0, 4000 if gpu else 0, step=25 if gpu else 1),
         # 0 = every core; the rest leave cores to the OS / I/O threads or halve the CPU-MoE share
         cpu_threads=trial.suggest_categorical("cpu_threads_choice", sorted({0, max(1, cores - 2), max(1, cores // 2), 1})),
-        # all resident when RAM allows (the top of the range maps to None); else only budgets that fit
-        host_expert_budget_gib=trial.suggest_float("host_expert_budget_gib", 0.0,
-                                                   max(1.0, budget_hi) if budget_hi >= routed_gib else max(budget_hi, 1e-9)),
+        # a share of the room this plan leaves in RAM for experts (below); >= 1: all of it
+        host_expert_budget_gib=trial.suggest_float("host_expert_share", 0.0, 1.25),
         prefill_chunk=trial.suggest_categorical("prefill_chunk", list(CHUNKS)),
         prefill_mode=trial.suggest_categorical("prefill_mode", ["full", "bounded_replay"] if allow_inexact else ["full"]),
         prefill_moe_path=trial.suggest_categorical("prefill_moe_path", ["cpu", "device"] if gpu else ["cpu"]),
@@ -80,8 +74,14 @@ def suggest_plan(trial: optuna.Trial, profile: dict, fp: Footprint, wl: Workload
     if kw["prefill_moe_path"] == "device":     # its staging buffer, in whole experts (MiB rounded up)
         n = trial.suggest_categorical("prefill_buffer_experts", [1, 4, 16, 64])
         kw["prefill_buffer_mib"] = -(-n * fp.expert_bytes // (1 << 20))
-    if kw["host_expert_budget_gib"] >= routed_gib * 0.999:
-        kw["host_expert_budget_gib"] = None
+    # experts kept in RAM never exceed what the host's RAM leaves after the OS headroom and everything
+    # else this plan holds there (runtime/budget.py): sampling past it only finds infeasible plans (24 GiB
+    # host, V4.1: 99% of 0-246 GiB); all resident (None) when the room holds them and the share is >= 1
+    share = kw["host_expert_budget_gib"]
+    ram = float(profile["host"]["hard"].get("ram_gib") or 0) * 2**30 or float(routed) + OS_HEADROOM
+    others = host_bytes(Plan(**{**kw, "host_expert_budget_gib": 0.0}), fp, dense_on_host=not gpu)
+    room = max(0.0, min(float(routed), ram - OS_HEADROOM - others))
+    kw["host_expert_budget_gib"] = None if share >= 1 and room >= routed else min(share, 1.0) * room / 2**30
     return Plan(**kw)
 
 

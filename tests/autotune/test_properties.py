@@ -64,7 +64,7 @@ def plans(draw, profile, fp: Footprint, wl: Workload):
               "fetch_fraction": draw(st.integers(0, 20)) * 0.05,
               "slot_cache_experts": draw(st.integers(0, 160)) * 25 if gpu else 0,
               "cpu_threads_choice": draw(st.sampled_from(sorted({0, max(1, cores - 2), max(1, cores // 2), 1}))),
-              "host_expert_budget_gib": draw(st.floats(0, 1)),             # scaled below to the sampled range
+              "host_expert_share": draw(st.floats(0, 1.25)),
               "prefill_chunk": draw(st.sampled_from(CHUNKS)), "prefill_mode": "full",
               "prefill_moe_path": draw(st.sampled_from(["cpu", "device"] if gpu else ["cpu"])),
               "max_context": draw(st.sampled_from([c for c in CONTEXTS if c >= need] or [need])),
@@ -73,7 +73,6 @@ def plans(draw, profile, fp: Footprint, wl: Workload):
               "engram_row_cache_mib": draw(st.sampled_from([0, 256, 1024, 4096])),
               "prefill_buffer_experts": draw(st.sampled_from([1, 4, 16, 64])),
               "engram_scales_in_ram": draw(st.booleans()), "dspark": draw(st.booleans()), "draft_length": draw(st.integers(1, 5))}
-    params["host_expert_budget_gib"] *= fp.routed_expert_bytes_total / 2**30
     return suggest_plan(optuna.trial.FixedTrial(params), profile, fp, wl, None, False)
 
 

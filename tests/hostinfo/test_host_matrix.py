@@ -12,6 +12,11 @@ from pathlib import Path
 import pytest
 
 from autotune.costmodel import OS_HEADROOM
+from autotune.search import CHUNKS, CONTEXTS
+from runtime.budget import host_bytes
+from runtime.checkpoint.synth import make_checkpoint
+from runtime.config import ModelConfig
+from runtime.plan import Plan
 from hostinfo import isa, o_direct_refusal
 from runtime.checkpoint.reader import Checkpoint
 
@@ -131,12 +136,18 @@ def test_checkpoint_on_tmpfs_and_a_filesystem_without_o_direct(tiny_dir, tmp_pat
         shutil.rmtree(root, ignore_errors=True)
 
 
-def test_small_ram_puts_routed_experts_on_the_nvme_tier(tiny_dir, tmp_path):
-    fp = Checkpoint(tiny_dir).footprint()
+def test_small_ram_puts_routed_experts_on_the_nvme_tier(tmp_path):
+    # tiny's experts (0.8 MB) vanish beside a chunk's temporaries: a tiny geometry with 54 MB of them
+    cfg = ModelConfig.preset("tiny").replace(name="tiny-big-experts", moe_intermediate_size=1024, n_routed_experts=64)
+    ck_dir = make_checkpoint(cfg, tmp_path / "ck", seed=0)
+    fp = Checkpoint(ck_dir).footprint()
     routed = fp.routed_expert_bytes_total
-    ram = OS_HEADROOM + fp.dense_bytes_per_token + fp.bytes_by_class["embeddings"] + routed // 2
+    # what the leanest plan the search offers needs besides its experts (runtime/budget.py: the smallest
+    # chunk and context; Engram in RAM, so any placement fits) + half the experts
+    lean = Plan(host_expert_budget_gib=0.0, prefill_chunk=min(CHUNKS), max_context=min(CONTEXTS))
+    ram = OS_HEADROOM + host_bytes(lean, fp, dense_on_host=True) + routed // 2
     env = {"DSV41_RAM_GIB": f"{ram / 2**30:.7f}", "DSV41_LLC_MIB": "2"}
-    r = run_case(tiny_dir, tmp_path, env)
+    r = run_case(ck_dir, tmp_path / "out", env)
     check_common(r, env)
     budget = r["plan"]["host_expert_budget_gib"]
     assert budget is not None and budget * 2**30 < routed                # part of the experts live on NVMe
