@@ -68,6 +68,18 @@ def _data_ptrs(context, builder, arg_types, arg_values, which):
     return [context.make_array(arg_types[i])(context, builder, arg_values[i]).data for i in which]
 
 
+def _store_sums(builder, accs, vf, lanes, obase, o_off, o_stride, or_stride):
+    """out[o_off + j*o_stride + r*or_stride] = the lanes of accs[r][j] summed in order (deterministic)."""
+    red = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, vf]),
+                                         f"llvm.vector.reduce.fadd.v{lanes}f32")
+    for r, row in enumerate(accs):
+        for j, acc in enumerate(row):
+            total = builder.call(red, [ir.Constant(f32, 0.0), builder.load(acc)])
+            o = builder.add(builder.add(o_off, builder.mul(o_stride, ir.Constant(i64, j))),
+                            builder.mul(or_stride, ir.Constant(i64, r)))
+            builder.store(total, builder.gep(obase, [o]))
+
+
 def _literal(t):
     """The value of a compile-time integer literal, else None (numba then retries with literals)."""
     return t.literal_value if isinstance(t, types.IntegerLiteral) else None
@@ -127,14 +139,7 @@ def fp4_dot(typingctx, R_t, T_t, lanes_t, codes, c_off, c_stride, scales, s_off,
                     for j, (xe, xo) in enumerate(xs):
                         p = builder.call(d.fma, [hi, xo, builder.fmul(lo, xe)])
                         builder.store(builder.call(d.fma, [p, sv, builder.load(accs[r][j])]), accs[r][j])
-        red = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, vf]),
-                                             f"llvm.vector.reduce.fadd.v{lanes}f32")
-        for r in range(R):
-            for j in range(T):
-                total = builder.call(red, [ir.Constant(f32, 0.0), builder.load(accs[r][j])])  # ordered: deterministic
-                o = builder.add(builder.add(o_off_v, builder.mul(o_stride_v, ir.Constant(i64, j))),
-                                builder.mul(or_stride_v, ir.Constant(i64, r)))
-                builder.store(total, builder.gep(obase, [o]))
+        _store_sums(builder, accs, vf, lanes, obase, o_off_v, o_stride_v, or_stride_v)
         return context.get_dummy_value()
     return sig, codegen
 

@@ -20,7 +20,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels.fp4_simd import PREFETCH, _data_ptrs, _literal, _splat, f32, i8, i32, i64
+from kernels.fp4_simd import PREFETCH, _data_ptrs, _literal, _splat, _store_sums, f32, i8, i32, i64
 
 
 def _decode_e4m3(builder, c, lanes):
@@ -84,14 +84,7 @@ def fp8_dot(typingctx, R_t, T_t, lanes_t, q, q_off, q_stride, scales, s_off, s_s
                     for j in range(T):
                         p = builder.fmul(w, xs[j])
                         builder.store(builder.call(fma, [p, svs[r], builder.load(accs[r][j])]), accs[r][j])
-        red = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, vf]),
-                                             f"llvm.vector.reduce.fadd.v{lanes}f32")
-        for r in range(R):
-            for j in range(T):
-                total = builder.call(red, [ir.Constant(f32, 0.0), builder.load(accs[r][j])])
-                o = builder.add(builder.add(o_off_v, builder.mul(o_stride_v, ir.Constant(i64, j))),
-                                builder.mul(or_stride_v, ir.Constant(i64, r)))
-                builder.store(total, builder.gep(obase, [o]))
+        _store_sums(builder, accs, vf, lanes, obase, o_off_v, o_stride_v, or_stride_v)
         return context.get_dummy_value()
     return sig, codegen
 
