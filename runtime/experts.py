@@ -255,8 +255,11 @@ class PlacedExperts:
         nvme = [e for e in experts if e >= r]
         for group in [[e for e in experts if e < r]] + [nvme[i:i + NVME_BATCH] for i in range(0, len(nvme), NVME_BATCH)]:
             if group:
-                bank, rows = self._fetch(layer, group)
-                yield bank, group, rows
+                yield self._batch(layer, group)   # no local keeps a batch alive while the next is read
+
+    def _batch(self, layer, group):
+        bank, rows = self._fetch(layer, group)
+        return bank, group, rows
 
     def _cpu_part(self, layer, x, ids, wts, experts):
         """The CPU's share of a layer (runs in the worker thread, overlapping the device's share)."""
@@ -264,6 +267,7 @@ class PlacedExperts:
         for bank, group, rows in self._groups(layer, experts):
             job = self._subset(x, ids, wts, group, rows, bank)
             y += self._run(job[0], x, job[1], job[2], "cpu_moe")
+            del bank, job                     # before the next batch is read: one batch alive at a time
         return y
 
     def routed(self, layer, m, ids, wts):
@@ -299,6 +303,7 @@ class PlacedExperts:
             for bank, group, rows in self._groups(layer, dev_keys):
                 job = self._subset(x, ids_np, w_np, group, rows, bank)
                 y += expert_ffn(x, job[1], job[2], job[0], threads=self.threads)
+                del bank, job                 # one NVMe batch alive at a time
             self.seconds["device_moe"] += time.perf_counter() - t0
         # a call may need more distinct experts than there are slots (a wide prefill chunk, a long verify
         # batch): the device runs them in rounds of at most `n`, each round resident before it computes
@@ -320,6 +325,7 @@ class PlacedExperts:
         for bank, group, rows in self._groups(layer, todo):
             for e, r in zip(group, rows):
                 self.cache.put((layer, e), bank, r)
+            del bank                          # one NVMe batch alive at a time
         slots = [self.cache.where[(layer, e)] for e in keys]
         self.seconds["gather"] += time.perf_counter() - t0
         t0 = time.perf_counter()

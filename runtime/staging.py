@@ -39,6 +39,7 @@ class PrefillStream:
                 for e, r in zip(part, rows):
                     self.mem.put(len(loaded), bank, r)
                     loaded.append(e)
+                del bank                      # one NVMe batch alive at a time
             placed.seconds["prefill_stream"] += time.perf_counter() - t0
             t0 = time.perf_counter()
             _, sub_ids, sub_w = placed._subset(x, ids, wts, loaded, list(range(len(loaded))), None)
