@@ -144,3 +144,11 @@ def test_sampling_is_seeded_when_asked_and_fresh_otherwise(client):
     assert a == client.completions.create(seed=7, **kw).choices[0].text
     unseeded = {client.completions.create(**kw).choices[0].text for _ in range(4)}
     assert len(unseeded) > 1
+
+
+def test_metrics_show_the_plans_bytes_from_the_one_accounting(server, tiny_dir):
+    from runtime.budget import planned_bytes
+    planned = planned_bytes(Plan(max_context=512), Checkpoint(tiny_dir).footprint(), on_cpu=True)
+    assert _metric(server, 'dsv41_memory_bytes{source="plan",tier="host"}') == planned["anon"]
+    assert _metric(server, 'dsv41_memory_bytes{source="plan",tier="mapped"}') == planned["file"]
+    assert _metric(server, 'dsv41_memory_bytes{source="measured",tier="host"}') > planned["anon"]   # + the process
