@@ -1,6 +1,10 @@
-"""Refuse what does not fit, before loading anything: the request against the plan's context, the
-plan's device bytes against its VRAM budget, the host bytes against this host's available RAM.
-Every refusal names the budget and the shortfall."""
+"""The one accounting: how many bytes each tier holds for a (plan, footprint), by part (`breakdown`),
+as formulas over the checkpoint's real byte counts and the runtime's own allocation shapes; the cost
+model, admission, validation, `dsv41-run`, `dsv41-serve` and `dsv41-checkpoint inspect --plan` read it.
+Then refuse what does not fit, before loading anything: the request against the plan's context, the
+device bytes against the VRAM budget, the host bytes against this host's available RAM. Every
+refusal names the budget and the shortfall. Torch-free (the cost model imports it); the runtime's
+shape constants below are mirrored where they act and tests hold them equal."""
 from __future__ import annotations
 
 from hostinfo import ram_available_bytes

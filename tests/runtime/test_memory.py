@@ -60,3 +60,10 @@ def test_inspect_the_cost_model_and_admission_count_the_same_bytes(full_skeleton
     with pytest.raises(DoesNotFit, match=f"keeps {cpu_host / 2**30:.2f} GiB in host RAM"):   # admission: the same figure
         check_plan(plan, fp, available=cpu_host - 1, dense_on_host=True)
     check_plan(plan, fp, available=cpu_host, dense_on_host=True)
+
+
+def test_the_accountings_shape_constants_are_the_runtimes():
+    from kernels.fp8_dense import TILE_ROWS
+    from runtime import budget
+    from runtime.io_reader import BLOCK
+    assert budget.FP8_TILE_ROWS == TILE_ROWS and budget.IO_BLOCK == BLOCK
