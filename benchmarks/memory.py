@@ -1,7 +1,7 @@
 """Planned vs measured memory per tier on mini: one `dsv41-run --json` process per plan (peak RSS never
 resets inside a process), for each placement and strategy a CPU host runs.
 
-  python benchmarks/memory.py [--checkpoint out/mini] [--prompt-tokens 1024] [--max-tokens 8] [--json]
+  python benchmarks/memory.py [--checkpoint out/mini] [--prompt-tokens 1024] [--max-tokens 8] [--only NAME] [--json]
 
 Planned: runtime/budget.py (anonymous host RAM; the checkpoint bytes read through the mapping).
 Measured: the anonymous RSS the load and the requests added (sampled peak above the start, after the
@@ -50,6 +50,7 @@ def main(argv=None):
     ap.add_argument("--checkpoint", default="out/mini")
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--only", default="", help="run the plans whose name contains this")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if not (Path(args.checkpoint) / "model.safetensors.index.json").exists():
@@ -57,6 +58,8 @@ def main(argv=None):
     rows = {}
     print(f"{'plan':32s} {'anon planned':>13s} {'measured':>9s} {'ratio':>6s} {'mapped planned':>15s} {'measured':>9s} {'ratio':>6s}")
     for name, plan in plans(args.prompt_tokens + args.max_tokens + 64).items():
+        if args.only not in name:
+            continue
         m = run(args.checkpoint, plan, args.prompt_tokens, args.max_tokens)
         p, q = m["planned"], m["measured"]
         rows[name] = m

@@ -35,7 +35,9 @@ def hand_back_freed_memory() -> bool:
 
 
 def rss_now() -> dict | None:
-    """{'anon': B, 'file': B, 'hwm': B} from /proc/self/status, or None where there is none."""
+    """{'anon': B, 'file': B, 'hwm': B} from /proc/self/status, or None where there is none. 'anon'
+    counts private and shared anonymous pages (RssAnon + RssShmem: the O_DIRECT read buffers are
+    shared anonymous mappings)."""
     try:
         text = STATUS.read_text()
     except OSError:
@@ -43,8 +45,9 @@ def rss_now() -> dict | None:
     d = {}
     for line in text.splitlines():
         k, _, v = line.partition(":")
-        if k in ("RssAnon", "RssFile", "VmHWM"):
-            d[{"RssAnon": "anon", "RssFile": "file", "VmHWM": "hwm"}[k]] = int(v.split()[0]) * 1024
+        if k in ("RssAnon", "RssShmem", "RssFile", "VmHWM"):
+            key = {"RssAnon": "anon", "RssShmem": "anon", "RssFile": "file", "VmHWM": "hwm"}[k]
+            d[key] = d.get(key, 0) + int(v.split()[0]) * 1024
     return d if len(d) == 3 else None
 
 
