@@ -91,12 +91,13 @@ class Engine:
         self.cfg = self.ck.config
         self.plan = plan or Plan()
         self.reference = reference
+        self.footprint = self.ck.footprint()                # once: it walks every tensor's header entry
         hand_back_freed_memory()                            # the process holds what the plan counts
         dtype = torch.float64 if reference else torch.float32
         # dense weights and attention on the device (CUDA when present, else the CPU)
         self.device = "cpu" if reference else (device or ("cuda" if cuda_available() else "cpu"))
         if not reference:
-            check_plan(self.plan, self.ck.footprint(), dense_on_host=self.device == "cpu")
+            check_plan(self.plan, self.footprint, dense_on_host=self.device == "cpu")
         t0 = time.perf_counter()
         # fp8 linears as stored: numba on the CPU, Triton on CUDA (dense_kernel="triton" forces it: tests
         # run it on CPU tensors under TRITON_INTERPRET=1)
@@ -167,7 +168,7 @@ class Engine:
                       len(prompt) / (t_first - t0), self._phases(reset=True), prefill_phases,
                       getattr(self.experts, "hit_rate", 0.0),
                       st.indexer_peak_bytes,
-                      budget.indexer_peak_bytes(self.ck.footprint(), chunk, len(prompt), torch.finfo(model.dtype).bits // 8),
+                      budget.indexer_peak_bytes(self.footprint, chunk, len(prompt), torch.finfo(model.dtype).bits // 8),
                       logits_kept[:n], spec, dict(self.engram.counters) if self.engram is not None else {})
 
     def _plain(self, st, last, max_tokens, temperature, gen, keep):

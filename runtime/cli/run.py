@@ -46,10 +46,10 @@ def _memory_rows(memory) -> list:
         return [("memory", "not measured: no /proc/self/status on this host", "")]
     rows = [("anonymous RSS added MB", p["anon"], m["anon_added"]),
             ("checkpoint mapping resident MB", p["file"], m["checkpoint_mapped"] or 0),
-            ("file-backed RSS added MB (libraries too)", p["file"], m["file_added"])]
+            ("file-backed RSS added MB (libraries too)", None, m["file_added"])]
     if "device_peak" in m:
         rows.append(("device memory MB", p["device"], m["device_peak"]))
-    return [(k, f"{a / 1e6:.1f}", f"{b / 1e6:.1f}") for k, a, b in rows]
+    return [(k, "-" if a is None else f"{a / 1e6:.1f}", f"{b / 1e6:.1f}") for k, a, b in rows]
 
 
 def cmd_run(args) -> int:
@@ -81,7 +81,7 @@ def cmd_run(args) -> int:
             for phase in (("warm",) if args.no_cold else ("cold", "warm")):
                 r = engine.generate(prompt, args.max_tokens, temperature=args.temperature, seed=args.prompt_seed)
                 runs[phase] = r.to_dict()
-            memory = {"planned": planned_bytes(plan, ck.footprint(), engine.device == "cpu"),
+            memory = {"planned": planned_bytes(plan, engine.footprint, engine.device == "cpu"),
                       "measured": _measured(watch, engine, ck.root)}
         finally:
             engine.close()

@@ -90,7 +90,7 @@ def _error(status, message, param=None, kind="invalid_request_error"):
 def create_app(engine, tokenizer, template, model_id: str, info: dict, max_queue: int = 16, metrics=None) -> FastAPI:
     from runtime.serve.metrics import Metrics
     from runtime.budget import planned_bytes
-    fp, plan = engine.ck.footprint(), engine.plan
+    fp, plan = engine.footprint, engine.plan
     planned = planned_bytes(plan, fp, on_cpu=engine.device == "cpu")       # the same accounting as admission
     metrics = metrics or Metrics({"host": planned["anon"], "mapped": planned["file"], "device": planned["device"]})
     worker = Worker(engine, metrics, max_queue)
