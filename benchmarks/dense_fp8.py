@@ -59,7 +59,7 @@ def main(argv=None):
             r = e.generate(prompt, args.max_tokens)
             toks[name] = r.tokens
             rows[name]["decode"].append(r.decode_tok_s)
-            rows[name]["dense_s"].append(r.phases.get("attention_dense", 0.0) / max(1, len(r.tokens) - 1))
+            rows[name]["dense_s"].append((r.phases.get("attention", 0.0) + r.phases.get("dense", 0.0)) / max(1, len(r.tokens) - 1))
     out = {"threads": plan.cpu_threads, "same_tokens": toks["fp8"] == toks["fp32"]}
     for name, e in (("fp8", fp8), ("fp32", f32)):
         d = rows[name]

@@ -45,6 +45,32 @@ def _opt(kind, default):
     return field(default=default, metadata={"kind": kind, "required": False})
 
 
+# Expert formats V4.1 is published or converted in: format -> (what it stores). The dsv41 runtime's
+# kernels run ds_fp4 ("fp4") only; the others are planned (their bytes) for another engine.
+EXPERT_FORMATS = {
+    "fp4": "ds_fp4: E2M1 codes, one E8M0 scale per 32 (the V4.1 release; the dsv41 kernels)",
+    "mxfp4": "OCP MXFP4 / GGUF MXFP4: E2M1 codes, one E8M0 scale per 32 (same bytes as ds_fp4)",
+    "nvfp4": "NVFP4: E2M1 codes, one E4M3 scale per 16, one float32 global per row",
+    "fp8": "FP8 E4M3 with one float32 scale per 128 x 128 block",
+    "bf16": "BF16, unquantized",
+}
+
+
+def expert_format_bytes(fmt: str, H: int, I: int) -> int:
+    """Bytes of one expert (w1, w3 [I, H] and w2 [H, I]) in `fmt`; rows = 2I + H."""
+    w = 3 * H * I
+    if fmt in ("fp4", "mxfp4"):
+        return w * 17 // 32
+    if fmt == "nvfp4":
+        return w // 2 + w // 16 + 4 * (2 * I + H)
+    if fmt == "fp8":
+        c = lambda a: -(-a // 128)  # noqa: E731
+        return w + 4 * (2 * c(I) * c(H) + c(H) * c(I))
+    if fmt == "bf16":
+        return 2 * w
+    raise ValueError(f"expert_dtype '{fmt}' is not one of {', '.join(EXPERT_FORMATS)}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     # --- backbone
@@ -131,9 +157,10 @@ class ModelConfig:
             bad("quantization_config.weight_block_size", f"must be two positive ints, got {self.weight_block_size}")
         if self.scale_fmt != "ue8m0":
             bad("quantization_config.scale_fmt", f"'{self.scale_fmt}' is not supported (ue8m0 only)")
-        if self.expert_dtype != "fp4" or self.dtype != "fp8":
-            bad("expert_dtype" if self.expert_dtype != "fp4" else "dtype",
-                f"the V4.1 layout needs dtype fp8 and expert_dtype fp4, got {self.dtype}/{self.expert_dtype}")
+        if self.expert_dtype not in EXPERT_FORMATS or self.dtype != "fp8":
+            bad("expert_dtype" if self.expert_dtype not in EXPERT_FORMATS else "dtype",
+                f"the V4.1 layout needs dtype fp8 and expert_dtype one of {', '.join(EXPERT_FORMATS)}, "
+                f"got {self.dtype}/{self.expert_dtype}")
         if not 0 <= self.n_hash_layers <= L:
             bad("n_hash_layers", f"must be in [0, {L}]")
         if self.engram_layer_ids:
@@ -164,8 +191,9 @@ class ModelConfig:
 
     @property
     def expert_bytes(self) -> int:
-        """One routed expert, codes + E8M0 scales: 3*H*I*(1/2 + 1/32) B (V4.1: 18,800,640)."""
-        return 3 * self.hidden_size * self.moe_intermediate_size * 17 // 32
+        """One routed expert in this config's expert format (EXPERT_FORMATS; fp4 = ds_fp4, codes + E8M0
+        scales: 3*H*I*(1/2 + 1/32) B, V4.1: 18,800,640)."""
+        return expert_format_bytes(self.expert_dtype, self.hidden_size, self.moe_intermediate_size)
 
     @property
     def engram_slots(self) -> int:

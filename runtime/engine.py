@@ -37,7 +37,7 @@ class Result:
     prefill_tok_s: float
     phases: dict                 # seconds per phase during decode (after the first token)
     prefill_phases: dict         # seconds per phase until the first token
-    hit_rate: float
+    hit_rate: float              # the slot cache's, over the decode steps
     indexer_peak_bytes: int
     indexer_peak_formula_bytes: int
     logits: list = field(default_factory=list, repr=False)
@@ -89,6 +89,10 @@ class Engine:
                  dense_kernel: str | None = None):
         self.ck = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
         self.cfg = self.ck.config
+        if self.cfg.expert_dtype != "fp4":
+            raise ValueError(f"{self.ck.root}/config.json: expert_dtype '{self.cfg.expert_dtype}': the dsv41 runtime runs ds_fp4 "
+                             "(fp4) experts only; plan it with `dsv41-tune plan --config`, serve it with another engine "
+                             "(`dsv41-tune export`)")
         self.plan = plan or Plan()
         self.reference = reference
         self.footprint = self.ck.footprint()                # once: it walks every tensor's header entry
@@ -111,6 +115,14 @@ class Engine:
         engram = self.engram
         self.model = Model(self.cfg, dense, self.experts, engram, load_cmap(self.ck), dtype, self.device)
         self.load_s = time.perf_counter() - t0
+
+    def record_routing(self):
+        """From now on every routed call is appended to the returned trace (runtime/routing.py), each
+        request's prompt as `prefill`, its generated tokens as `decode`."""
+        from runtime.routing import RoutingTrace
+        c = self.cfg
+        self.experts.trace = RoutingTrace(c.num_hidden_layers, c.n_routed_experts, c.num_experts_per_tok, self.footprint.geometry_hash)
+        return self.experts.trace
 
     def io_paths(self) -> dict:
         """How each NVMe tier reads here: 'o_direct', or 'buffered (why O_DIRECT was refused)'."""
@@ -140,6 +152,8 @@ class Engine:
             self.engram.counters.clear()
         gen = torch.Generator().manual_seed(seed)
         stop_ids = frozenset(stop_ids)
+        if getattr(self.experts, "trace", None) is not None:
+            self.experts.trace.phase = "prefill"
         st = model.new_state(len(prompt) + max_tokens, budget.spare(plan))
         chunk = len(prompt) if self.reference else plan.prefill_chunk
         replay = plan.prefill_mode == "bounded_replay" and not self.reference and cfg.num_encoder_layers
@@ -151,6 +165,10 @@ class Engine:
             for c in range(0, len(prompt), chunk):
                 logits = model.forward(st, prompt[c:c + chunk], decoder_start=dec_start)
             prefill_phases = self._phases(reset=True)
+            if getattr(self.experts, "trace", None) is not None:
+                self.experts.trace.phase = "decode"
+            cache = getattr(self.experts, "cache", None)
+            hm0 = (cache.hits, cache.misses) if cache is not None else (0, 0)
             steps = (self._speculative(st, logits[-1], max_tokens, temperature, gen, keep, spec)
                      if plan.dspark and not self.reference and cfg.dspark_num_layers else
                      self._plain(st, logits[-1], max_tokens, temperature, gen, keep))
@@ -166,7 +184,7 @@ class Engine:
         decode_s, n = t_end - t_first, len(out)
         return Result(out, t_first - t0, (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
                       len(prompt) / (t_first - t0), self._phases(reset=True), prefill_phases,
-                      getattr(self.experts, "hit_rate", 0.0),
+                      self._decode_hit_rate(hm0),
                       st.indexer_peak_bytes,
                       budget.indexer_peak_bytes(self.footprint, chunk, len(prompt), torch.finfo(model.dtype).bits // 8),
                       logits_kept[:n], spec, dict(self.engram.counters) if self.engram is not None else {})
@@ -227,6 +245,14 @@ class Engine:
             for tok in (drafts[:a] + [z])[:max_tokens - n]:
                 n += 1
                 yield tok
+
+    def _decode_hit_rate(self, hm0) -> float:
+        """The slot cache's hit rate over this request's decode steps (experts looked up per layer call)."""
+        cache = getattr(self.experts, "cache", None)
+        if cache is None:
+            return 0.0
+        h, m = cache.hits - hm0[0], cache.misses - hm0[1]
+        return h / (h + m) if h + m else 0.0
 
     def _phases(self, reset: bool) -> dict:
         out = dict(self.model.phases.seconds)

@@ -199,8 +199,8 @@ class PlacedExperts:
                        if plan.prefill_moe_path == "device" else None)
         self.seconds = defaultdict(float)
         self.cache = SlotCache(plan.slot_cache_experts, cfg.hidden_size, cfg.moe_intermediate_size, device, self.threads)
-        for k in range(min(plan.slot_cache_experts, L * E)):    # warm start: lowest ids of each layer
-            i, e = k % L, k // L
+        for k in reversed(range(min(plan.slot_cache_experts, L * E))):   # warm start: lowest ids of each layer,
+            i, e = k % L, k // L                                       # k = 0 most recent (autotune/routing.py)
             self.cache.put((i, e), *self._source(i, [e]))
         self.cache.hits = self.cache.misses = 0
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv41-cpu-moe")
@@ -209,6 +209,7 @@ class PlacedExperts:
         self.experts_read = 0                 # routed experts read, summed over layer calls (the union per call)
         self.drafter_experts_read = 0         # the drafter's experts (top-k per drafted token and layer)
         self.gathered = 0                     # experts copied into the slot cache since load
+        self.trace = None                     # a runtime.routing.RoutingTrace while recording
 
     # ------------------------------------------------------------------ sources
     def _source(self, layer, experts) -> tuple[Fp4Bank, int]:
@@ -275,6 +276,8 @@ class PlacedExperts:
         self.layer_calls += 1
         x = m.detach().to(torch.float32).cpu().numpy()
         ids_np, w_np = ids.cpu().numpy(), wts.detach().to(torch.float32).cpu().numpy()
+        if self.trace is not None:
+            self.trace.record(layer, ids_np)
         need = sorted(set(ids_np.reshape(-1).tolist()))        # a verify batch reads the union of its tokens' experts
         self.experts_read += len(need)
         if self.stream is not None and self.stream.wants(len(x)):   # a wide prefill call: stream to the device
@@ -342,17 +345,23 @@ class PlacedExperts:
 
     # ---------------------------------------------------------------- probes through this path
     def dispatch_seconds(self, layer: int, repeats: int = 20) -> list[float]:
-        """The fixed per-layer cost of dispatching MoE work (submit, wait, merge) through routed():
-        one token's layer call minus the time its kernels ran. -> samples (s)."""
+        """The fixed cost of one MoE layer call under this plan's strategy (submit, wait, split, merge,
+        per-call kernel overheads): one token's routed() call minus the time its kernels and transfers
+        ran, overlapped parts counted once (hybrid: the CPU share runs beside the gather + device
+        compute). A device strategy starts every call from an empty slot cache, so every expert is a
+        gather as in a decode step's misses. -> samples (s)."""
         H, K = self.cfg.hidden_size, self.cfg.num_experts_per_tok
         m = torch.randn(1, H, generator=torch.Generator().manual_seed(0))
         ids = torch.arange(K)[None] % self.cfg.n_routed_experts
         out = []
         for _ in range(repeats + 2):
             self.seconds.clear()
+            self.cache.where.clear()
             self.routed(layer, m, ids, torch.full((1, K), 1.0 / K))
             s = self.seconds
-            out.append(s["moe_layer_total"] - s["cpu_moe"] - s["device_moe"] - s["nvme_read"])
+            device = s["gather"] + s["device_moe"]
+            busy = max(s["cpu_moe"], device) if self.plan.moe_strategy == "hybrid" else s["cpu_moe"] + device
+            out.append(s["moe_layer_total"] - busy - s["nvme_read"])
         self.seconds.clear()
         return out[2:]
 

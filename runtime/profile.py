@@ -19,7 +19,8 @@ SOURCES = ("measured", "published", "formula", "assumed")
 HARD_FIELDS = ("cpu_model", "isa", "physical_cores", "numa_nodes", "ram_gib", "gpu_name", "gpu_vram_gib", "pcie_link")
 SCALAR_KEYS = ("dram_stream_read_gbs", "pcie_h2d_gbs", "pcie_d2h_gbs", "pcie_gather_gbs", "moe_dispatch_fixed_us",
                "nvme_seq_read_gbs", "matmul_tflops")
-OPTIONAL_SCALARS = ("gpu_mem_gbs", "gpu_tflops", "dense_path_gbs")
+OPTIONAL_SCALARS = ("gpu_mem_gbs", "gpu_tflops", "dense_path_gbs", "dense_path_tflops", "step_other_s_per_layer",
+                    "shared_call_us", "engram_rows_s")
 
 
 class ProfileError(ValueError):
@@ -75,6 +76,28 @@ def validate(d: dict, src: str = "profile") -> dict:
         _check_figure(e, f"measurements.cpu_moe_gbs[{i}]", src)
         if "geometry" not in e:
             raise ProfileError(f"{src}: 'measurements.cpu_moe_gbs[{i}].geometry' is missing")
+    att = m.get("attention_s_per_token")
+    if att is not None and "skipped" not in att:
+        if not isinstance(att.get("points"), list) or not att["points"]:
+            raise ProfileError(f"{src}: 'measurements.attention_s_per_token.points' must list (context, figure) points")
+        for i, pt in enumerate(att["points"]):
+            if "context" not in pt:
+                raise ProfileError(f"{src}: 'measurements.attention_s_per_token.points[{i}].context' is missing")
+            _check_figure(pt, f"measurements.attention_s_per_token.points[{i}]", src)
+    rt = m.get("routing")
+    if rt is not None and "skipped" not in rt:
+        for k in ("geometry", "layers", "experts", "top_k", "slots", "lru_hit", "static_hit", "union", "source"):
+            if k not in rt:
+                raise ProfileError(f"{src}: 'measurements.routing.{k}' is missing")
+        if len(rt["slots"]) != len(rt["lru_hit"]) or len(rt["slots"]) != len(rt["static_hit"]):
+            raise ProfileError(f"{src}: 'measurements.routing' curves and 'slots' differ in length")
+    fixed = m.get("moe_fixed_us", {})
+    if not isinstance(fixed, dict):
+        raise ProfileError(f"{src}: 'measurements.moe_fixed_us' must map a strategy to its figure")
+    for k, v in fixed.items():
+        if k not in ("cpu", "offload", "hybrid"):
+            raise ProfileError(f"{src}: 'measurements.moe_fixed_us.{k}': strategies are cpu, offload, hybrid")
+        _check_figure(v, f"measurements.moe_fixed_us.{k}", src)
     for i, pair in enumerate(m.get("contended", [])):
         if not isinstance(pair, dict) or "pair" not in pair:
             raise ProfileError(f"{src}: 'measurements.contended[{i}]' needs 'pair' and each side's figure")

@@ -45,6 +45,7 @@ class Footprint:
     dense_bytes_per_token: int
     drafter_expert_bytes: int
     drafter_dense_bytes: int = 0          # the drafter's non-expert tensors (loaded with the dense weights)
+    expert_dtype: str = "fp4"             # the experts' format (runtime/config.py EXPERT_FORMATS)
     # geometry the cost model needs (from the config; kept here so the model needs no torch)
     hidden_size: int = 0
     moe_intermediate_size: int = 0
@@ -109,7 +110,7 @@ class Footprint:
         enc = cfg.num_encoder_layers
         head = sizes.get("head.weight", 0)
         return cls(
-            model=cfg.name, geometry_hash=cfg.geometry_hash(), n_tensors=len(sizes),
+            model=cfg.name, geometry_hash=cfg.geometry_hash(), n_tensors=len(sizes), expert_dtype=cfg.expert_dtype,
             n_shards=len(shard_bytes or {}), total_bytes=sum(sizes.values()), bytes_by_class=by_class,
             routed_bytes_by_layer=routed, other_bytes_by_layer=other,
             expert_bytes=expert_bytes, n_routed_experts=cfg.n_routed_experts,

@@ -59,11 +59,26 @@ class _Builder:
         self.add(f"{prefix}.weight", (out, inp), "F4", cls, layer)
         self.add(f"{prefix}.scale", (out, inp // FP4_GROUP), "F8_E8M0", cls, layer)
 
+    def expert_linear(self, prefix, out, inp, cls, layer=None):
+        """One expert matrix in the config's expert format (runtime/config.py EXPERT_FORMATS)."""
+        fmt = self.cfg.expert_dtype
+        if fmt in ("fp4", "mxfp4"):
+            self.fp4(prefix, out, inp, cls, layer)
+        elif fmt == "nvfp4":
+            self.add(f"{prefix}.weight", (out, inp), "F4", cls, layer)
+            self.add(f"{prefix}.scale", (out, inp // 16), "F8_E4M3", cls, layer)
+            self.add(f"{prefix}.scale_2", (out,), "F32", cls, layer)
+        elif fmt == "fp8":
+            self.add(f"{prefix}.weight", (out, inp), "F8_E4M3", cls, layer)
+            self.add(f"{prefix}.scale", (_cdiv(out, 128), _cdiv(inp, 128)), "F32", cls, layer)
+        else:
+            self.add(f"{prefix}.weight", (out, inp), "BF16", cls, layer)
+
     def expert(self, prefix, inter, cls, layer=None):
         H = self.cfg.hidden_size
-        self.fp4(f"{prefix}.w1", inter, H, cls, layer)   # gate  [I, H]
-        self.fp4(f"{prefix}.w2", H, inter, cls, layer)   # down  [H, I]
-        self.fp4(f"{prefix}.w3", inter, H, cls, layer)   # up    [I, H]
+        self.expert_linear(f"{prefix}.w1", inter, H, cls, layer)   # gate  [I, H]
+        self.expert_linear(f"{prefix}.w2", H, inter, cls, layer)   # down  [H, I]
+        self.expert_linear(f"{prefix}.w3", inter, H, cls, layer)   # up    [I, H]
 
     def block(self, p, layer, cls_dense, n_experts, index_source, kv_source, expert_cls, hash_routed=False):
         """One transformer block's attention + MoE under prefix p."""

@@ -6,7 +6,8 @@ the same bytes whatever the write order. Shards stream tensor by tensor (an Engr
 chunks): `mini` never holds more than one expert or 64k table rows in RAM. Weight statistics:
 dense fp8 ~ N(0, 1/fan_in) quantized with the config's block scales; ds_fp4 experts are uniform random
 E2M1 codes with E8M0 scales chosen so the weight RMS is ~1/sqrt(fan_in) (uniform codes have RMS 2.93),
-jittered by +-1 exponent per group; Engram rows ~ N(0, 1) quantized per 32 values; norms 1 + N(0, .1);
+jittered by +-1 exponent per group; the router bias ~ N(0, router_skew^2) (the routing skew, a
+parameter: 0.01 by default, ~uniform routing); Engram rows ~ N(0, 1) quantized per 32 values; norms 1 + N(0, .1);
 token embeddings ~ N(0, EMBED_STD^2). EMBED_STD = 3 puts the current token's embedding at about the
 size of everything the layers add to the residual stream, so the next token depends strongly, not
 only, on the current one (as in text); with N(0, 1) a random target's next token is close to a
@@ -38,6 +39,7 @@ from runtime.tokenizer import build_tokenizer, compressed_vocab
 E2M1_UNIFORM_RMS = math.sqrt(sum(v * v for v in (0, .5, 1, 1.5, 2, 3, 4, 6)) / 8)   # 2.93
 ROW_CHUNK = 65536
 EMBED_STD = 3.0
+ROUTER_SKEW = 0.01
 
 
 def _rng(seed: int, name: str) -> np.random.Generator:
@@ -48,7 +50,7 @@ def _u8(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(torch.uint8).numpy().reshape(-1)
 
 
-def tensor_chunks(spec: TensorSpec, cfg: ModelConfig, seed: int, specs: dict):
+def tensor_chunks(spec: TensorSpec, cfg: ModelConfig, seed: int, specs: dict, router_skew: float = ROUTER_SKEW):
     """Yields the tensor's bytes (uint8 arrays) in order."""
     rng, name, shape = _rng(seed, spec.name), spec.name, spec.shape
     if spec.dtype == "F4":                                   # ds_fp4 codes, uniform over the 16 codes
@@ -79,8 +81,8 @@ def tensor_chunks(spec: TensorSpec, cfg: ModelConfig, seed: int, specs: dict):
         else:                                                # router, index head weights, LM head
             x = rng.standard_normal(shape, dtype=np.float32) / math.sqrt(shape[-1])
         yield _u8(torch.from_numpy(x).to(torch.bfloat16))
-    elif spec.dtype == "F32":                                # router bias
-        yield (0.01 * rng.standard_normal(shape, dtype=np.float32)).view(np.uint8).reshape(-1)
+    elif spec.dtype == "F32":                                # router bias: its spread is the routing skew
+        yield (router_skew * rng.standard_normal(shape, dtype=np.float32)).view(np.uint8).reshape(-1)
     elif spec.dtype == "I32":                                # hash routing: K distinct experts per token id
         E = cfg.n_routed_experts
         ids = np.stack([rng.permutation(E)[:shape[1]] for _ in range(shape[0])]).astype(np.int32)
@@ -95,8 +97,17 @@ def _atomic_write_text(path: Path, text: str):
     os.replace(tmp, path)
 
 
-def make_checkpoint(cfg: ModelConfig, out, seed: int = 0, skeleton: bool = False, progress=None) -> Path:
-    """Write a checkpoint for `cfg` into `out`. `progress(bytes_done, bytes_total, shard)` if given."""
+def make_checkpoint(cfg: ModelConfig, out, seed: int = 0, skeleton: bool = False, progress=None,
+                    router_skew: float = ROUTER_SKEW) -> Path:
+    """Write a checkpoint for `cfg` into `out`. `progress(bytes_done, bytes_total, shard)` if given.
+    `router_skew`: the standard deviation of the routed layers' router bias (recorded in the index's
+    metadata); scores are sigmoid(~N(0, 1)), so 0.01 leaves routing ~uniform over experts, 0.1-0.3
+    makes some experts popular (measure a value's hit-rate curve with benchmarks/hit_rate.py)."""
+    if cfg.expert_dtype != "fp4" and not skeleton:
+        raise ValueError(f"expert_dtype '{cfg.expert_dtype}': synthetic weights are generated in ds_fp4 (fp4) only; "
+                         "other formats can be written as skeletons (headers only)")
+    if not 0 <= router_skew <= 10:
+        raise ValueError(f"router_skew must be in [0, 10], got {router_skew}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / INDEX).unlink(missing_ok=True)                    # not loadable until complete
@@ -117,7 +128,7 @@ def make_checkpoint(cfg: ModelConfig, out, seed: int = 0, skeleton: bool = False
         for s in shard:
             weight_map[s.name] = fname
             if not skeleton:
-                w.write(s.name, tensor_chunks(s, cfg, seed, by_name))
+                w.write(s.name, tensor_chunks(s, cfg, seed, by_name, router_skew))
                 done += s.nbytes
                 if progress:
                     progress(done, total, fname)
@@ -128,7 +139,7 @@ def make_checkpoint(cfg: ModelConfig, out, seed: int = 0, skeleton: bool = False
                 progress(done, total, fname)
     _atomic_write_text(out / "config.json", json.dumps(cfg.to_hf_dict(), indent=1))
     index = {"metadata": {"total_size": total, "producer": "dsv41-checkpoint", "seed": seed,
-                          "skeleton": skeleton}, "weight_map": weight_map}
+                          "skeleton": skeleton, "router_skew": router_skew}, "weight_map": weight_map}
     _atomic_write_text(out / INDEX, json.dumps(index, indent=0))
     if not skeleton and cfg.dspark_num_layers:
         from runtime.checkpoint.distill import distill_drafter

@@ -32,7 +32,8 @@ def cmd_make(args) -> int:
 
         def progress(done, total, shard):
             bar.update(task, completed=done, total=total, description=shard)
-        out = make_checkpoint(cfg, args.out, seed=args.seed, skeleton=args.skeleton, progress=progress)
+        out = make_checkpoint(cfg, args.out, seed=args.seed, skeleton=args.skeleton, progress=progress,
+                              router_skew=args.router_skew)
     c = console(stderr=True)
     c.print(f"wrote {'skeleton ' if args.skeleton else ''}{args.preset} checkpoint to {out}")
     if (out / "dsv41-distill.json").exists():
@@ -115,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", required=True, help="output directory")
     m.add_argument("--seed", type=int, default=0, help="same seed, same bytes")
     m.add_argument("--skeleton", action="store_true", help="headers only, sparse files (full-size layouts)")
+    m.add_argument("--router-skew", type=float, default=0.01,
+                   help="std of the router bias: 0.01 ~uniform routing (default), 0.1-0.3 popular experts")
     m.set_defaults(fn=cmd_make)
     i = sub.add_parser("inspect", help="print a checkpoint's footprint from its shard headers")
     i.add_argument("dir")

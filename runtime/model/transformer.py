@@ -121,14 +121,14 @@ class Model:
         st.final_hidden = h
         t0 = time.perf_counter()
         logits = rmsnorm(h, self.w["norm.weight"], c.rms_norm_eps) @ self.w["head.weight"].T
-        self.phases.add("attention_dense", t0)
+        self.phases.add("dense", t0)
         return logits
 
     def _layer(self, st, i, h, pos, tok, rows, sel):
         c, w = self.cfg, self.w
-        t0 = time.perf_counter()
         if i in c.engram_layer_ids:
-            h = self._engram(i, h, rows[i])
+            h = self._engram(i, h, rows[i])               # its wait is `engram_wait`, its linears `dense`
+        t0 = time.perf_counter()
         a = rmsnorm(h, w[f"layers.{i}.attn_norm.weight"], c.rms_norm_eps)
         ql = self.L(f"layers.{i}.attn.wq_a", a)
         q = rope(self.L(f"layers.{i}.attn.wq_b", ql).view(len(h), c.num_attention_heads, c.kv_lora_rank), pos, c.rope_theta)
@@ -136,6 +136,7 @@ class Model:
         k_new = rope(cw, pos, c.rope_theta)                                  # [T, C] window keys, values cw
         if i in c.kv_source_layers and i < c.num_encoder_layers:
             self._write_source(st, i, a, pos)
+        t_att = time.perf_counter()            # attention: the indexer, the selected rows, the window
         glob = None
         if c.layer_mode(i) != "window":
             x = c.index_source_of(i)
@@ -144,8 +145,10 @@ class Model:
             glob = self._selected_rows(st.sources[c.kv_source_of(i)], *sel[x])
         out = attend(q, pos, k_new, cw, st.windows[i], c.window_size, glob)
         st.windows[i].write(pos, k_new, cw)
+        self.phases.add("attention", t_att)
+        t_wo = time.perf_counter()
         h = h + self.L(f"layers.{i}.attn.wo", out.reshape(len(h), -1))
-        self.phases.add("attention_dense", t0)
+        self.phases.seconds["dense"] += (t_att - t0) + (time.perf_counter() - t_wo)   # linears, norms, rope
         return h + self._moe(i, h, tok)
 
     def _selected_rows(self, src, idx, ok):
@@ -183,6 +186,7 @@ class Model:
 
     def _moe(self, i, h, tok):
         c, w = self.cfg, self.w
+        t0 = time.perf_counter()
         m = rmsnorm(h, w[f"layers.{i}.ffn_norm.weight"], c.rms_norm_eps)
         if i < c.n_hash_layers:
             ids = w[f"layers.{i}.ffn.tid2eid"][tok]
@@ -192,6 +196,7 @@ class Model:
             ids = torch.topk(scores + w[f"layers.{i}.ffn.gate.bias"], c.num_experts_per_tok, dim=-1).indices
             wts = scores.gather(1, ids)
             wts = wts / wts.sum(-1, keepdim=True) * c.routed_scaling_factor
+        self.phases.add("dense", t0)                                        # the norm and the router
         y = self.experts.routed(i, m, ids, wts)
         if c.n_shared_experts:
             y = y + self.experts.shared(i, m)
@@ -214,9 +219,11 @@ class Model:
         t0 = time.perf_counter()
         e = self.engram.rows(i, row_ids).to(device=self.device, dtype=self.dtype).reshape(len(h), -1)   # [T, S*D]
         self.phases.add("engram_wait", t0)
+        t0 = time.perf_counter()
         k = self.L(f"layers.{i}.engram.wk", e)
         v = self.L(f"layers.{i}.engram.wv", e)
         gate = torch.sigmoid((rmsnorm(h) * rmsnorm(k)).sum(-1, keepdim=True) / math.sqrt(self.cfg.hidden_size))
+        self.phases.add("dense", t0)
         return h + gate * v
 
     # ------------------------------------------------------------------ DSpark drafter

@@ -23,7 +23,7 @@ class Metrics:
         self.requests = Counter("dsv41_requests", "Requests by outcome", ["outcome"], registry=r)
         self.prompt_tokens = Counter("dsv41_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generated = Counter("dsv41_generation_tokens", "Tokens generated", registry=r)
-        self.hit_rate = Gauge("dsv41_expert_slot_hit_rate", "Expert slot-cache hit rate over the last request", registry=r)
+        self.hit_rate = Gauge("dsv41_expert_slot_hit_rate", "Expert slot-cache hit rate over the last request's decode steps", registry=r)
         self.engram_wait = Counter("dsv41_engram_wait_seconds", "Time the forward pass waited for Engram rows", registry=r)
         self.dspark = Gauge("dsv41_dspark_acceptance_rate", "Accepted / drafted tokens over the last request (DSpark on)", registry=r)
         self.dspark_len = Gauge("dsv41_dspark_mean_accepted", "Mean accepted drafts per verify step, last request", registry=r)
