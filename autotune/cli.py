@@ -23,6 +23,7 @@ import sys
 
 from runtime.cli.common import console, fmt_bytes, run_main
 from runtime.plan import Plan
+from runtime.config import EXPERT_FORMATS
 from runtime.workload import Workload
 
 WL = {f.name: f.default for f in dataclasses.fields(Workload)}
@@ -34,8 +35,13 @@ def _footprint(args):
     from runtime.checkpoint.reader import Checkpoint
     from runtime.config import load_config
     if args.checkpoint:
+        if getattr(args, "expert_dtype", None):
+            raise ValueError("--expert-dtype goes with --config (a checkpoint's format is in its config.json)")
         return Checkpoint(args.checkpoint).footprint()
-    return Footprint.from_config(load_config(args.config))
+    cfg = load_config(args.config)
+    if getattr(args, "expert_dtype", None):
+        cfg = cfg.replace(expert_dtype=args.expert_dtype)
+    return Footprint.from_config(cfg)
 
 
 def _pred_json(pred) -> dict:
@@ -168,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     src = pl.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="checkpoint directory (footprint from its headers)")
     src.add_argument("--config", help="config.json or preset name (footprint from the layout)")
+    pl.add_argument("--expert-dtype", choices=sorted(EXPERT_FORMATS),
+                    help="with --config: the experts' format of the download (" +
+                         "; ".join(f"{k}: {v}" for k, v in EXPERT_FORMATS.items()) + ")")
     pl.add_argument("--prompt-tokens", type=int, default=WL["prompt_tokens"])
     pl.add_argument("--max-tokens", type=int, default=WL["max_tokens"])
     pl.add_argument("--ttft-budget", type=float, default=WL["ttft_budget_s"], help="seconds")
@@ -198,7 +207,7 @@ def cmd_tune(args) -> int:
 
     from rich.table import Table
 
-    from autotune.tune import table, tune
+    from autotune.tune import table, term_table, tune
     out = args.out or f"profiles/local/{platform.node() or 'host'}.json"
     wl = Workload(prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, ttft_budget_s=args.ttft_budget)
     err = console(stderr=True)
@@ -211,8 +220,16 @@ def cmd_tune(args) -> int:
         t.add_row(*(f"{v:.3g}" if isinstance(v, float) else str(v) for v in r.values()))
     c = console()
     c.print(t)
-    cal = prof["calibration"]
-    c.print(f"calibration (measured / predicted): decode x{cal['decode_scale']:.2f}, TTFT x{cal['ttft_scale']:.2f}; wrote {out}")
+    terms = term_table(prof)
+    if terms:
+        t = Table(title="the picked plan, term by term: predicted (raw, calibrated) vs measured; factor = measured / "
+                        "predicted over the validated plans")
+        for col in terms[0]:
+            t.add_column(col, justify="right")
+        for r in terms:
+            t.add_row(*("-" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v) for v in r.values()))
+        c.print(t)
+    c.print(f"wrote {out}")
     return 0
 
 

@@ -2,8 +2,9 @@
 
 run_profile(checkpoint, quick) measures: DRAM stream read; the CPU-MoE kernel at the checkpoint's
 expert geometry and always at the full V4.1 and V4-Flash geometries (batch 1, verify widths, prefill
-widths; swept over threads); bf16 matmul throughput; the per-layer MoE dispatch cost through the
-runtime's own path; PCIe copies and expert gather when CUDA is present (skipped with the reason
+widths; swept over threads); bf16 matmul throughput; through the runtime's own paths
+(autotune/probes/runtime_paths.py): the dense path, attention vs context and the per-layer overhead of a
+decode forward, each MoE strategy's fixed cost per layer call, and a routing trace; PCIe copies and expert gather when CUDA is present (skipped with the reason
 otherwise, never zero); CPU-MoE contended with NVMe reads (and with PCIe gather on GPU hosts); NVMe
 random 4 KiB reads at queue depths 1..64, the Engram row pattern serial vs batched, a prefill row
 batch, sequential expert-sized reads and the reader's software ceiling -- all through the runtime's
@@ -17,14 +18,14 @@ from pathlib import Path
 
 import torch
 
-from autotune.probes import nvme
+from autotune.probes import nvme, runtime_paths
 from autotune.probes.cpu_moe import GEOMETRIES, ProbeTooLarge, cpu_moe, random_bank
-from hostinfo import cuda_available, llc_bytes, probe_budget_bytes, usable_cores
+from hostinfo import cuda_available, probe_budget_bytes, usable_cores
 from hostinfo.fingerprint import fingerprint
 from hostinfo.measure import Measurement, measure
 from kernels.stream import dram_copy, dram_stream_read
 from runtime.profile import SCHEMA, io_path
-from runtime.budget import dense_host_bytes, dense_path_bytes
+from runtime.budget import dense_host_bytes
 from runtime.checkpoint.reader import Checkpoint
 from runtime.plan import Plan
 
@@ -44,49 +45,6 @@ def _matmul_tflops(quick: bool) -> Measurement:
     a, b = torch.randn(n, n, dtype=torch.bfloat16), torch.randn(n, n, dtype=torch.bfloat16)
     m = measure(lambda: a @ b, repeats=5 if quick else 10, warmup=2)
     return m.map(lambda s: 2 * n ** 3 / s / 1e12, "TFLOP/s")
-
-
-class _NoExperts:
-    """An expert backend that contributes nothing: isolates the dense path."""
-    def routed(self, layer, m, ids, wts):
-        return torch.zeros_like(m)
-
-    def shared(self, layer, m):
-        return torch.zeros_like(m)
-
-
-def _dense_path_gbs(ck: Checkpoint, quick: bool) -> Measurement:
-    """One decode token through the runtime's own dense path at the served geometry (attention, norms,
-    router, Engram gate over mapped rows, LM head; experts stubbed out), expressed as the bytes that
-    path reads per token (runtime.budget.dense_path_bytes: fp8 as stored, the bf16 head as float32)
-    per second, so the cost model can carry it to another geometry."""
-    from runtime.engine import load_cmap
-    from runtime.engram_store import EngramStore
-    from runtime.model.transformer import Model
-    from runtime.model.weights import load_dense
-    cfg, fp = ck.config, ck.footprint()
-    engram = EngramStore(ck, "nvme_mmap") if cfg.engram_layer_ids else None
-    model = Model(cfg, load_dense(ck, torch.float32, "cpu", keep_fp8=True), _NoExperts(), engram, load_cmap(ck), torch.float32, "cpu")
-    repeats = 5 if quick else 15
-    st = model.new_state(32 + repeats + 4)
-    flush = torch.empty(min(2 * llc_bytes(), probe_budget_bytes() // 2) // 4)   # in a decode step the MoE streams evict the dense
-    with torch.inference_mode():                              # weights from the LLC: so does this, between steps
-        model.forward(st, [k % cfg.vocab_size for k in range(1, 17)])
-        m = measure(lambda: model.forward(st, [7]), repeats=repeats, warmup=2, setup=lambda: flush.add_(1.0))
-    path_bytes = dense_path_bytes(fp)
-    return m.map(lambda s: path_bytes / s / 1e9, "GB/s")
-
-
-def _dispatch_us(ck: Checkpoint, threads: int) -> Measurement:
-    from runtime.experts import PlacedExperts
-    cfg = ck.config
-    budget = cfg.num_hidden_layers * cfg.num_experts_per_tok * cfg.expert_bytes / 2**30 * 1.01
-    pe = PlacedExperts(ck, Plan(cpu_threads=threads, host_expert_budget_gib=budget))
-    try:
-        s = pe.dispatch_seconds(min(1, cfg.num_hidden_layers - 1), repeats=20)
-    finally:
-        pe.close()
-    return Measurement(tuple(x * 1e6 for x in s), "us", note="routed() per layer minus its kernels' time (runtime path)")
 
 
 def _gpu_figures(quick: bool) -> dict:
@@ -224,14 +182,23 @@ def _cpu_moe_sweep(cfg, cores: int, quick: bool, step) -> tuple[list, tuple | No
     return out, served
 
 
-def _dense_path(ck: Checkpoint, quick: bool) -> dict:
+def _forward_terms(ck: Checkpoint, quick: bool) -> dict:
+    """The dense path, attention vs context and the per-layer overhead (autotune/probes/runtime_paths.py)."""
     held = dense_host_bytes(ck.footprint())
-    if cuda_available():
-        return _skipped("the dense path runs on the GPU on this host")
-    if held > probe_budget_bytes():
-        return _skipped(f"the dense weights as held ({held / 2**30:.1f} GiB) exceed the probe memory budget "
-                        f"({probe_budget_bytes() / 2**30:.1f} GiB)")
-    return _fig(_dense_path_gbs(ck, quick), geometry=ck.config.geometry_hash())
+    why = ("the dense path runs on the GPU on this host (not probed on the CPU)" if cuda_available() else
+           f"the dense weights as held ({held / 2**30:.1f} GiB) exceed the probe memory budget "
+           f"({probe_budget_bytes() / 2**30:.1f} GiB)" if held > probe_budget_bytes() else None)
+    if why:
+        return {k: _skipped(why) for k in ("dense_path_gbs", "dense_path_tflops", "attention_s_per_token", "engram_rows_s",
+                                           "shared_call_us", "step_other_s_per_layer")}
+    return runtime_paths.forward_terms(ck, quick, usable_cores())
+
+
+def _routing(ck: Checkpoint, quick: bool, cores: int) -> dict:
+    try:
+        return runtime_paths.routing(ck, quick, cores)
+    except (OSError, ValueError, RuntimeError) as e:     # a header-only skeleton, a checkpoint too big to run here
+        return _skipped(f"no routing trace recorded: {e}")
 
 
 def _nvme(ck: Checkpoint, quick: bool, served, cores: int, step) -> dict:
@@ -284,10 +251,13 @@ def run_profile(checkpoint, quick: bool = False, progress=None) -> dict:
     m["cpu_moe_gbs"], served = _cpu_moe_sweep(cfg, cores, quick, step)
     step("matmul")
     m["matmul_tflops"] = _fig(_matmul_tflops(quick), dtype="bf16")
-    step("dense path (runtime)")
-    m["dense_path_gbs"] = _dense_path(ck, quick)
-    step("MoE dispatch (runtime path)")
-    m["moe_dispatch_fixed_us"] = _fig(_dispatch_us(ck, cores))
+    step("dense path, attention vs context (runtime)")
+    m.update(_forward_terms(ck, quick))
+    step("MoE fixed cost per layer, each strategy (runtime path)")
+    m["moe_fixed_us"] = runtime_paths.fixed_costs(ck, cores)
+    m["moe_dispatch_fixed_us"] = m["moe_fixed_us"]["cpu"]
+    step("routing trace (runtime)")
+    m["routing"] = _routing(ck, quick, cores)
     step("GPU")
     m.update(_gpu_figures(quick))
     step("PCIe")
@@ -296,6 +266,16 @@ def run_profile(checkpoint, quick: bool = False, progress=None) -> dict:
     m.update(_nvme(ck, quick, served, cores, step))
     return {"schema": SCHEMA, "host": host, "measurements": m, "plan": None, "predicted": None, "validation": None,
             "checkpoint": str(ck.root), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "quick": quick}
+
+
+def _routing_row(r) -> str:
+    if not isinstance(r, dict):
+        return "-"
+    if "skipped" in r:
+        return f"skipped: {r['skipped']}"
+    half = r["slots"][len(r["slots"]) // 2]
+    return (f"{r['decode_tokens']} decode tokens; LRU hit at {half} slots {r['lru_hit'][len(r['slots']) // 2]:.2f} "
+            f"(uniform {half / (r['layers'] * r['experts']):.2f}); union of 2 tokens {r['union'].get('2', 0):.1f} experts")
 
 
 def summary_rows(profile: dict) -> list[tuple[str, str]]:
@@ -319,7 +299,11 @@ def summary_rows(profile: dict) -> list[tuple[str, str]]:
         rows.append((f"CPU-MoE {e['geometry']} x{e['tokens']} t{e['threads']}",
                      noted(e) + (f"  {e['extra'].get('gflops', 0):.0f} GFLOP/s" if "extra" in e else "")))
     rows += [("matmul bf16", f(m["matmul_tflops"])), ("dense path per token (runtime)", f(m.get("dense_path_gbs"))),
-             ("MoE dispatch per layer", f(m["moe_dispatch_fixed_us"])), ("GPU memory read", f(m.get("gpu_mem_gbs"))),
+             *((f"MoE fixed per layer ({k})", f(v)) for k, v in (m.get("moe_fixed_us") or {"cpu": m["moe_dispatch_fixed_us"]}).items()),
+             ("attention per token vs context", ", ".join(f"{p['context']}: {1e3 * p['median']:.2f} ms" for p in
+                                                          (m.get("attention_s_per_token") or {}).get("points", [])) or "-"),
+             ("outside every phase, per layer", f(m.get("step_other_s_per_layer"))),
+             ("routing trace", _routing_row(m.get("routing"))), ("GPU memory read", f(m.get("gpu_mem_gbs"))),
              ("GPU matmul bf16", f(m.get("gpu_tflops"))), ("PCIe H2D", f(m["pcie_h2d_gbs"])), ("PCIe D2H", f(m["pcie_d2h_gbs"])),
              ("PCIe gather", f(m["pcie_gather_gbs"])), ("NVMe sequential (expert blocks)", f(m["nvme_seq_read_gbs"])),
              ("NVMe I/O path", io_path(profile))]

@@ -6,7 +6,7 @@ tok/s, minimize TTFT) and the budgets as trial constraints (`Trial.set_constrain
 so infeasible trials never enter the Pareto front. Thousands of cost-model trials take seconds in
 memory (NSGA-II; multi-objective TPE was ~65x slower on a toy objective here). Any Optuna storage URL
 persists the study, so a rerun resumes and several hosts can share one storage: one study per
-host x geometry x workload (`study_name`). The pick: the highest tok/s among feasible plans whose
+host x profile figures x cost-model code x geometry x workload (`study_name`). The pick: the highest tok/s among feasible plans whose
 TTFT meets the budget (or all feasible plans when there is none), ties to the lower TTFT.
 """
 from __future__ import annotations
@@ -38,9 +38,22 @@ def default_storage():
     return JournalStorage(JournalFileBackend(str(root / "studies.journal")))
 
 
+def model_version() -> str:
+    """A digest of the cost model's code (its modules' source): a changed model never resumes old trials."""
+    from pathlib import Path
+    here = Path(__file__).parent
+    h = hashlib.sha256()
+    for name in ("costmodel.py", "terms.py", "figures.py", "routing.py", "search.py"):
+        h.update((here / name).read_bytes())
+    return h.hexdigest()[:12]
+
+
 def study_name(profile: dict, fp: Footprint, wl: Workload, vram_budget_gib, allow_inexact) -> str:
-    key = json.dumps([profile["host"]["hard"], fp.geometry_hash, wl.prompt_tokens, wl.max_tokens, wl.ttft_budget_s,
-                      vram_budget_gib, allow_inexact], sort_keys=True)
+    """One study per host x figures x calibration x model code x geometry x workload x budgets: a new
+    profile of the same host, a new calibration or a changed cost model starts a fresh study."""
+    key = json.dumps([profile["host"]["hard"], profile["measurements"], profile.get("calibration"), model_version(),
+                      fp.geometry_hash, wl.prompt_tokens, wl.max_tokens, wl.ttft_budget_s, vram_budget_gib, allow_inexact],
+                     sort_keys=True, default=str)
     return f"dsv41-{profile['host'].get('name', 'host')}-{fp.model}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 

@@ -18,7 +18,7 @@ from hostinfo.fingerprint import compare, fingerprint
 from runtime.profile import ProfileError, load_profile, save_profile
 from autotune.profiler import run_profile
 from autotune.search import default_storage, search
-from autotune.validate import calibration, dspark_acceptance, freetoken_baseline, measure_plans, noise_floor, pick
+from autotune.validate import calibration, dspark_acceptance, freetoken_baseline, measure_plans, noise_floor, pick, summarize
 from runtime.checkpoint.reader import Checkpoint
 from runtime.workload import Workload, make_prompt
 
@@ -56,7 +56,9 @@ def tune(checkpoint, out, wl: Workload, allow_inexact=False, quick=False, storag
         prof = run_profile(ck, quick=quick, progress=lambda n: log(f"  probe: {n}"))
     else:
         log(f"reusing the fresh profile {out}")
-    prof.pop("calibration", None)                      # the search ranks on the uncalibrated model
+    kept = (prof.pop("calibration", None) or {}).get("dspark_p_accept")   # the search ranks on the uncalibrated
+    if kept is not None:                               # model, with the drafter's acceptance measured here
+        prof["calibration"] = {"dspark_p_accept": kept}
     storage = storage or default_storage()
     trials = 300 if quick else 2000
     log(f"searching {trials} plans with the cost model")
@@ -86,13 +88,12 @@ def tune(checkpoint, out, wl: Workload, allow_inexact=False, quick=False, storag
     if runner is not None:                            # the winner against the runner-up, once more
         again = measure_plans(ck, [win["plan"], runner["plan"]], wl, prompt, rounds)
         for r, a in zip((win, runner), again):
-            r["decode_samples"] += a["decode_samples"]
-            r["ttft_samples"] += a["ttft_samples"]
-            r["decode_tok_s"] = sorted(r["decode_samples"])[len(r["decode_samples"]) // 2]
-            r["ttft_s"] = sorted(r["ttft_samples"])[len(r["ttft_samples"]) // 2]
+            for k in ("decode_samples", "ttft_samples", "term_samples"):
+                r[k] += a.get(k, [])
+            summarize(r)
         floor = noise_floor(rows)
         win, runner = pick(rows, wl.ttft_budget_s, floor)
-    p_accept = dspark_acceptance(rows)
+    p_accept = dspark_acceptance(rows) or kept
     if p_accept is not None:                          # the drafter's measured acceptance replaces the assumed one
         prof["calibration"] = {"dspark_p_accept": p_accept}
         for r in rows:
@@ -107,16 +108,44 @@ def tune(checkpoint, out, wl: Workload, allow_inexact=False, quick=False, storag
     prof["validation"] = {
         "workload": {"prompt_tokens": wl.prompt_tokens, "max_tokens": wl.max_tokens, "ttft_budget_s": wl.ttft_budget_s},
         "noise_floor": floor, "study": study.study_name, "storage": str(storage if isinstance(storage, str) else "journal:$DSV41_CACHE"),
-        "rows": [{"plan": r["plan"].to_dict(), "baseline": r["baseline"], "predicted": {k: r["predicted"][k] for k in ("decode_tok_s", "ttft_s", "feasible")},
-                  "measured": {"decode_tok_s": r["decode_tok_s"], "ttft_s": r["ttft_s"], "cold": r["cold"], "interleaved": r["interleaved"],
-                               "decode_samples": r["decode_samples"], "ttft_samples": r["ttft_samples"],
-                               **({"dspark_mean_accepted": r["dspark_mean_accepted"]} if r.get("dspark_mean_accepted") else {})}}
-                 for r in rows],
+        "rows": [_evidence(r, predict(r["plan"], prof, fp, wl, allow_inexact)) for r in rows],
         "picked": rows.index(win),
     }
     prof["checkpoint"] = str(ck.root)
     save_profile(out, prof)
     return prof
+
+
+def _terms(d: dict) -> dict:
+    return {"decode_tok_s": d["decode_tok_s"], "ttft_s": d["ttft_s"], "decode": d["decode"], "prefill": d["prefill"]}
+
+
+def _evidence(r: dict, calibrated) -> dict:
+    """One validated plan as the profile keeps it: predicted raw and calibrated (each term too), measured
+    (medians, raw samples, each term's median seconds)."""
+    c = calibrated.to_dict()
+    return {"plan": r["plan"].to_dict(), "baseline": r["baseline"],
+            "predicted": {"decode_tok_s": r["predicted"]["decode_tok_s"], "ttft_s": r["predicted"]["ttft_s"],
+                          "feasible": r["predicted"]["feasible"], "raw": _terms(r["predicted"]["raw"]),
+                          "calibrated": _terms({**c["raw"], "decode_tok_s": c["decode_tok_s"], "ttft_s": c["ttft_s"],
+                                                "decode": {k[7:-2]: v for k, v in c["terms"].items() if k.startswith("decode_") and k.endswith("_s")},
+                                                "prefill": {k[8:-2]: v for k, v in c["terms"].items() if k.startswith("prefill_") and k.endswith("_s")}})},
+            "measured": {"decode_tok_s": r["decode_tok_s"], "ttft_s": r["ttft_s"], "cold": r["cold"], "interleaved": r["interleaved"],
+                         "decode_samples": r["decode_samples"], "ttft_samples": r["ttft_samples"], "terms": r.get("terms", {}),
+                         **({"dspark_mean_accepted": r["dspark_mean_accepted"]} if r.get("dspark_mean_accepted") else {})}}
+
+
+def term_table(prof: dict) -> list[dict]:
+    """Predicted (raw, calibrated) vs measured seconds per term, for the picked plan."""
+    v = prof["validation"]
+    r = v["rows"][v["picked"]]
+    out = []
+    for part, unit in (("decode", "ms/token"), ("prefill", "ms/prompt")):
+        for k, m in r["measured"]["terms"].get(part, {}).items():
+            out.append({"term": f"{part} {k}", "unit": unit, "pred raw": 1e3 * r["predicted"]["raw"][part].get(k, 0.0),
+                        "pred cal": 1e3 * r["predicted"]["calibrated"][part].get(k, 0.0), "measured": 1e3 * m,
+                        "factor": (prof.get("calibration", {}).get("terms", {}).get(f"{part}.{k}") or {}).get("factor")})
+    return out
 
 
 def table(prof: dict) -> list[dict]:

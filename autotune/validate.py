@@ -5,13 +5,16 @@ engines fit in RAM together (else one after the other, recorded as such); each p
 after its load is its cold run, the rest warm. The noise floor is the spread of one
 plan's own repeats (half the max-min range over the median of decode tok/s, the largest over plans).
 The pick: the best measured plan by the user's rule (TTFT budget, then decode tok/s); the winner is
-re-run against the runner-up and a plan that loses beyond the noise floor is not picked. Measured
-figures recalibrate the cost model's per-host scales (decode and TTFT), kept in the profile.
+re-run against the runner-up and a plan that loses beyond the noise floor is not picked. Every run's
+phase table gives each cost-model term its measured seconds (autotune/terms.py measured_terms); the
+calibration is one factor per term (measured / predicted, median over the plans, with its spread),
+kept in the profile, so a wrong term moves only its own share of a prediction.
 """
 from __future__ import annotations
 
 import statistics
 
+from autotune.terms import measured_terms
 from runtime.engine import Engine
 from runtime.plan import Plan
 from runtime.workload import Workload
@@ -64,6 +67,7 @@ def measure_plans(ck, plans: list[Plan], wl: Workload, prompt: list[int], rounds
         out = e.generate(prompt, wl.max_tokens)
         row["decode_samples"].append(out.decode_tok_s)
         row["ttft_samples"].append(out.ttft_s)
+        row.setdefault("term_samples", []).append(run_terms(out))
         if out.dspark:
             row.setdefault("dspark_mean_accepted", []).append(out.dspark["mean_accepted"])
         if progress:
@@ -86,9 +90,24 @@ def measure_plans(ck, plans: list[Plan], wl: Workload, prompt: list[int], rounds
         for e in engines:
             e.close()
     for row in rows:
-        row["decode_tok_s"] = statistics.median(row["decode_samples"])
-        row["ttft_s"] = statistics.median(row["ttft_samples"])
+        summarize(row)
     return rows
+
+
+def run_terms(out) -> dict:
+    """One request's measured seconds per cost-model term: decode per generated token, prefill per prompt."""
+    n = len(out.tokens) - 1
+    dec = measured_terms(out.phases, n / out.decode_tok_s if out.decode_tok_s else 0.0, max(n, 1))
+    return {"decode": dec, "prefill": measured_terms(out.prefill_phases, out.ttft_s, 1)}
+
+
+def summarize(row) -> None:
+    """Medians of a row's samples: decode tok/s, TTFT and every term."""
+    row["decode_tok_s"] = statistics.median(row["decode_samples"])
+    row["ttft_s"] = statistics.median(row["ttft_samples"])
+    ts = row.get("term_samples") or []
+    row["terms"] = {part: {k: statistics.median(s[part][k] for s in ts) for k in ts[0][part]}
+                    for part in ("decode", "prefill")} if ts else {}
 
 
 def noise_floor(rows) -> float:
@@ -133,8 +152,17 @@ def dspark_acceptance(rows) -> float | None:
 
 
 def calibration(rows) -> dict:
-    """Per-host scales measured / predicted (median over validated plans) for decode tok/s and TTFT."""
-    dec = [r["decode_tok_s"] / r["predicted"]["decode_tok_s"] for r in rows if r["predicted"]["decode_tok_s"] > 0]
-    tt = [r["ttft_s"] / r["predicted"]["ttft_s"] for r in rows if r["predicted"]["ttft_s"] > 0]
-    return {"decode_scale": statistics.median(dec) if dec else 1.0, "ttft_scale": statistics.median(tt) if tt else 1.0,
-            "plans": len(rows)}
+    """One factor per cost-model term: measured / predicted seconds (median over the validated plans
+    whose prediction of that term is not zero), with its spread; terms predicted as zero everywhere get
+    no factor (the measured time stays unexplained: see `unexplained_s`)."""
+    out, unexplained = {}, {}
+    for part in ("decode", "prefill"):
+        keys = {k for r in rows for k in r.get("terms", {}).get(part, {})}
+        for k in sorted(keys):
+            ratios = [r["terms"][part][k] / r["predicted"]["raw"][part][k] for r in rows
+                      if r.get("terms") and r["predicted"]["raw"][part].get(k, 0) > 1e-12]
+            if ratios:
+                out[f"{part}.{k}"] = {"factor": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "plans": len(ratios)}
+            else:
+                unexplained[f"{part}.{k}"] = statistics.median(r["terms"][part][k] for r in rows if r.get("terms"))
+    return {"terms": out, "unexplained_s": unexplained, "plans": len(rows)}

@@ -1,20 +1,22 @@
-"""The tuner's pick against a measured grid of plans on the mini checkpoint, with the noise floor.
+"""The tuner against a measured grid on the mini checkpoint: the cost model's error per term on plans it
+was not calibrated on, and the regret of the tuner's pick.
 
-  python benchmarks/tuner_regret.py [--checkpoint out/mini] [--plans 16] [--max-minutes 20] [--json]
+  python benchmarks/tuner_regret.py [--checkpoint out/mini] [--plans 10] [--max-minutes 20] [--json]
 
-A fractional grid (seeded sample of the full product) over the knobs that matter on this host:
-CPU-MoE threads, prefill chunk and mode (bounded_replay included, so the tuner runs with
---allow-inexact-prefill), Engram placement / depth / row cache, DSpark on/length. Each plan is loaded
-once and measured cold then warm (repeats); the noise floor comes from repeats of one plan; the tuner
-(`dsv41-tune --quick`, same workload) then picks, and its pick is measured the same way. Regret =
-(best grid decode tok/s - pick's) / best; the model's error = median |predicted - measured| / measured
-over the tuner's validated plans. The grid stops early at --max-minutes (what was measured is used).
-With --json the last line holds regret, median_abs_error, noise_floor and the rows.
+1. Profile this host on the checkpoint (quick; the profile the tuner then reuses).
+2. Grid: plans drawn from the tuner's own search space (autotune.search.suggest_plan under Optuna's
+   RandomSampler), those the cost model admits on this host; each measured on the runtime
+   (autotune.validate.measure_plans: cold, then repeats; every term's seconds from the phase table).
+3. Fidelity: the grid in two halves; the per-term calibration is fitted on one half and the other half's
+   median |predicted - measured| / measured reported raw and calibrated, decode and TTFT.
+4. Regret: `dsv41-tune --quick` (same workload, this profile) picks; its pick and the grid's best are
+   measured interleaved in one run; regret = (best - pick) / best, two-sided (negative: the pick beat
+   the grid), beside the noise floor of those repeats.
+The grid stops at --max-minutes less the time the tuner needs (what was measured is used).
 """
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import statistics
@@ -24,94 +26,117 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hostinfo import usable_cores  # noqa: E402
+import optuna  # noqa: E402
+
+from autotune.costmodel import MissingFigure, predict  # noqa: E402
+from autotune.profiler import run_profile  # noqa: E402
+from autotune.search import suggest_plan  # noqa: E402
+from autotune.tune import tune  # noqa: E402
+from autotune.validate import calibration, measure_plans, noise_floor  # noqa: E402
 from runtime.checkpoint.reader import Checkpoint  # noqa: E402
-from runtime.engine import Engine  # noqa: E402
 from runtime.plan import Plan  # noqa: E402
+from runtime.profile import save_profile  # noqa: E402
 from runtime.workload import Workload, make_prompt  # noqa: E402
 
 
-def grid(n: int, seed: int, geometry_hash: str) -> list[Plan]:
-    cores = usable_cores()
-    axes = {"cpu_threads": sorted({1, cores}), "prefill_chunk": [128, 512], "prefill_mode": ["full", "bounded_replay"],
-            "engram": [("host", 8, 0), ("nvme_direct", 1, 0), ("nvme_direct", 16, 0), ("nvme_direct", 16, 64)],
-            "dspark": [(False, 2), (True, 2)]}
-    full = list(itertools.product(*axes.values()))
-    pick = np.random.default_rng(seed).choice(len(full), size=min(n, len(full)), replace=False)
-    plans = []
-    for i in pick:                                   # random order: a time cap cuts a random subset
-        th, ch, mode, (pl, depth, cache), (ds, d) = full[i]
-        plans.append(Plan(cpu_threads=th, prefill_chunk=ch, prefill_mode=mode, engram_placement=pl, engram_io_depth=depth,
-                          engram_row_cache_mib=cache, dspark=ds, draft_length=d, max_context=2048, geometry_hash=geometry_hash))
-    return plans
+def grid(profile, fp, wl, n: int, seed: int) -> list[Plan]:
+    """n distinct plans the cost model admits, sampled uniformly from the tuner's search space."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
+    out, seen = [], set()
+    for _ in range(50 * n):
+        trial = study.ask()
+        plan = suggest_plan(trial, profile, fp, wl, None, True)
+        study.tell(trial, 0.0)
+        key = json.dumps(plan.to_dict(), sort_keys=True)
+        try:
+            ok = predict(plan, profile, fp, wl, allow_inexact=True).feasible
+        except MissingFigure:
+            ok = False
+        if ok and key not in seen:
+            seen.add(key)
+            out.append(plan)
+        if len(out) == n:
+            break
+    return out
 
 
-def measure(ck, plan, prompt, wl, repeats):
-    e = Engine(ck, plan)
-    try:
-        cold = e.generate(prompt, wl.max_tokens)
-        warm = [e.generate(prompt, wl.max_tokens) for _ in range(repeats)]
-    finally:
-        e.close()
-    return {"plan": plan.to_dict(), "cold_decode_tok_s": cold.decode_tok_s, "cold_ttft_s": cold.ttft_s,
-            "decode_samples": [w.decode_tok_s for w in warm], "ttft_samples": [w.ttft_s for w in warm],
-            "decode_tok_s": statistics.median(w.decode_tok_s for w in warm), "ttft_s": statistics.median(w.ttft_s for w in warm)}
+def errors(rows, profile, fp, wl) -> dict:
+    """Median |predicted - measured| / measured over rows, decode tok/s and TTFT."""
+    dec, ttft = [], []
+    for r in rows:
+        p = predict(r["plan"], profile, fp, wl, allow_inexact=True)
+        dec.append(abs(p.decode_tok_s - r["decode_tok_s"]) / r["decode_tok_s"])
+        ttft.append(abs(p.ttft_s - r["ttft_s"]) / r["ttft_s"])
+    return {"decode": statistics.median(dec), "ttft": statistics.median(ttft), "plans": len(rows)}
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoint", default="out/mini")
-    ap.add_argument("--plans", type=int, default=16)
+    ap.add_argument("--plans", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--prompt-tokens", type=int, default=192)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--max-minutes", type=float, default=20)
+    ap.add_argument("--tuner-minutes", type=float, default=6, help="reserved for the tuner and the final pair")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    t0 = time.time()
     if not (Path(args.checkpoint) / "model.safetensors.index.json").exists():
         subprocess.run([sys.executable, "-m", "runtime.cli.checkpoint", "make", "--preset", "mini", "--out", args.checkpoint], check=True)
     ck = Checkpoint(args.checkpoint)
+    fp = ck.footprint()
     wl = Workload(prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens)
     from tokenizers import Tokenizer
     prompt = make_prompt(Tokenizer.from_file(str(ck.root / "tokenizer.json")), wl.prompt_tokens, seed=7)
-    t_end = time.time() + args.max_minutes * 60
+    tmp = Path(tempfile.mkdtemp(prefix="dsv41-regret-"))
+    prof_path = tmp / "host.json"
+    print("profiling this host (quick)", flush=True)
+    prof = run_profile(ck, quick=True)
+    save_profile(prof_path, prof)
     rows = []
-    for plan in grid(args.plans, args.seed, ck.config.geometry_hash()):
-        if time.time() > t_end:
-            print(f"time cap reached after {len(rows)} plans")
+    t_grid_end = t0 + (args.max_minutes - args.tuner_minutes) * 60
+    for plan in grid(prof, fp, wl, args.plans, args.seed):
+        if time.time() > t_grid_end:
+            print(f"time cap: the grid stops after {len(rows)} plans", flush=True)
             break
-        r = measure(ck, plan, prompt, wl, args.repeats)
+        r = measure_plans(ck, [plan], wl, prompt, args.repeats)[0]
+        r["predicted"] = predict(plan, prof, fp, wl, allow_inexact=True).to_dict()
         rows.append(r)
-        p = r["plan"]
-        print(f"grid  threads {p['cpu_threads']} chunk {p['prefill_chunk']:4d} {p['prefill_mode']:14s} {p['engram_placement']:11s} "
-              f"qd{p['engram_io_depth']:<2d} cache {p['engram_row_cache_mib']:3d} dspark {'d=' + str(p['draft_length']) if p['dspark'] else 'off':4s}"
-              f" -> {r['decode_tok_s']:6.2f} tok/s, TTFT {r['ttft_s']:6.2f} s", flush=True)
+        p = plan
+        print(f"grid {p.moe_strategy} threads {p.cpu_threads} chunk {p.prefill_chunk:5d} {p.prefill_mode:14s} "
+              f"engram {p.engram_placement:11s} dspark {'d=' + str(p.draft_length) if p.dspark else 'off':4s} "
+              f"experts {'all' if p.host_expert_budget_gib is None else f'{p.host_expert_budget_gib:.1f} GiB'}"
+              f" -> {r['decode_tok_s']:6.2f} tok/s (pred {r['predicted']['decode_tok_s']:6.2f}), "
+              f"TTFT {r['ttft_s']:6.2f} s (pred {r['predicted']['ttft_s']:6.2f})", flush=True)
+    fit, held = rows[0::2], rows[1::2]
+    cal = calibration(fit)
+    calibrated = {**prof, "calibration": cal}
+    fidelity = {"raw": errors(held, prof, fp, wl), "calibrated": errors(held, calibrated, fp, wl),
+                "factors": {k: round(v["factor"], 3) for k, v in cal["terms"].items()}}
     best = max(rows, key=lambda r: r["decode_tok_s"])
-    again = measure(ck, Plan.from_dict(best["plan"]), prompt, wl, max(3, args.repeats))   # the noise floor: one plan, repeated
-    s = best["decode_samples"] + again["decode_samples"]
-    floor = (max(s) - min(s)) / 2 / statistics.median(s)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "tuned.json"
-        subprocess.run([sys.executable, "-m", "autotune.cli", "--checkpoint", str(ck.root), "--quick", "--allow-inexact-prefill",
-                        "--prompt-tokens", str(wl.prompt_tokens), "--max-tokens", str(wl.max_tokens), "--out", str(out),
-                        "--storage", f"sqlite:///{tmp}/s.db"], check=True)
-        tuned = json.loads(out.read_text())
-    pick_plan = Plan.from_dict(tuned["plan"])
-    picked = measure(ck, pick_plan, prompt, wl, args.repeats)
-    best_tok = max(best["decode_tok_s"], statistics.median(s))
-    regret = max(0.0, (best_tok - picked["decode_tok_s"]) / best_tok)
-    errs = [abs(r["predicted"]["decode_tok_s"] - r["measured"]["decode_tok_s"]) / r["measured"]["decode_tok_s"]
-            for r in tuned["validation"]["rows"]]
-    out = {"regret": regret, "median_abs_error": statistics.median(errs), "noise_floor": floor,
-           "grid_best_tok_s": best_tok, "pick_tok_s": picked["decode_tok_s"], "pick": tuned["plan"], "rows": rows}
-    print(f"grid best {best_tok:.2f} tok/s, tuner's pick {picked['decode_tok_s']:.2f} -> regret {100 * regret:.1f}% "
-          f"(noise floor {100 * floor:.1f}%); median |predicted - measured| / measured {100 * out['median_abs_error']:.1f}%")
+    print("the tuner (dsv41-tune --quick, this profile)", flush=True)
+    tuned = tune(ck.root, prof_path, wl, allow_inexact=True, quick=True, storage=f"sqlite:///{tmp}/s.db", log=lambda *a: None)
+    pick = Plan.from_dict(tuned["plan"])
+    pair = measure_plans(ck, [best["plan"], pick], wl, prompt, max(3, args.repeats))
+    best_tok, pick_tok = pair[0]["decode_tok_s"], pair[1]["decode_tok_s"]
+    out = {"regret": (best_tok - pick_tok) / best_tok, "noise_floor": noise_floor(pair), "interleaved": pair[0]["interleaved"],
+           "grid_best_tok_s": best_tok, "pick_tok_s": pick_tok, "pick": tuned["plan"], "fidelity": fidelity,
+           "grid": [{"plan": r["plan"].to_dict(), "decode_tok_s": r["decode_tok_s"], "ttft_s": r["ttft_s"],
+                     "predicted": {k: r["predicted"][k] for k in ("decode_tok_s", "ttft_s")}, "terms": r["terms"],
+                     "decode_samples": r["decode_samples"], "ttft_samples": r["ttft_samples"]} for r in rows],
+           "minutes": (time.time() - t0) / 60}
+    f = fidelity
+    print(f"held-out half ({f['raw']['plans']} plans): median |pred - meas| / meas  decode {100 * f['raw']['decode']:.1f}% raw, "
+          f"{100 * f['calibrated']['decode']:.1f}% calibrated; TTFT {100 * f['raw']['ttft']:.1f}% raw, "
+          f"{100 * f['calibrated']['ttft']:.1f}% calibrated")
+    print(f"grid best {best_tok:.2f} tok/s, tuner's pick {pick_tok:.2f} (measured {'interleaved' if out['interleaved'] else 'in turn'})"
+          f" -> regret {100 * out['regret']:+.1f}% (noise floor {100 * out['noise_floor']:.1f}%); {out['minutes']:.1f} min")
     if args.json:
-        print(json.dumps(out))
+        print(json.dumps(out, default=str))
     return out
 
 

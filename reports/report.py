@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 from reports import plots
-from reports.schema import bench_record, host_record, read_inputs, validation_records
+from reports.schema import bench_record, host_record, read_inputs, term_records, validation_records
 
 
 def fold(df: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
@@ -63,12 +63,13 @@ def build(paths, out: Path, model: str = "deepseek-v4.1-flash", trials: int = 10
     out.mkdir(parents=True, exist_ok=True)
     hosts = pd.DataFrame([host_record(p, n) for n, p in named])
     val = pd.DataFrame([r for n, p in named for r in validation_records(p, n)])
+    terms = pd.DataFrame([r for n, p in named for r in term_records(p, n)])
     bench = pd.DataFrame([bench_record(r) for r in bench_rows])
     front, none = fronts(named, model, trials) if named else (pd.DataFrame(), {})
     if len(front):
         best = front.groupby("host")["decode_tok_s"].max()
         hosts[f"{model} best tok/s (model)"] = hosts["host"].map(best)
-    tables = {"hosts": hosts, "validation": val, "bench": bench, "pareto": front}
+    tables = {"hosts": hosts, "validation": val, "terms": terms, "bench": bench, "pareto": front}
     for name, df in tables.items():
         df.to_csv(out / f"{name}.csv", index=False)
     pngs = {}

@@ -5,6 +5,8 @@ pandas turns into the tables, the CSVs, the HTML page and the plots.
                           and its ratio to DRAM stream read per geometry, NVMe IOPS per depth, the
                           chosen plan, predicted and measured decode tok/s and TTFT
   validation_records(p)   one row per plan the tuner measured on the runtime: predicted vs measured
+  term_records(p)         one row per validated plan and cost-model term: predicted raw and calibrated
+                          vs measured seconds (decode per token, prefill per prompt)
   bench_record(row)       one row per dsv41-bench phase (a JSONL line)
 
 Every figure keeps its provenance: `source` says measured / published / formula / assumed."""
@@ -63,6 +65,22 @@ def validation_records(p: dict, name: str | None = None) -> list[dict]:
              "predicted_tok_s": row["predicted"]["decode_tok_s"], "measured_tok_s": row["measured"]["decode_tok_s"],
              "predicted_ttft_s": row["predicted"]["ttft_s"], "measured_ttft_s": row["measured"]["ttft_s"]}
             for i, row in enumerate(v["rows"])]
+
+
+def term_records(p: dict, name: str | None = None) -> list[dict]:
+    v = p.get("validation") or {"rows": []}
+    out = []
+    for i, row in enumerate(v["rows"]):
+        pred, meas = row["predicted"], row["measured"]
+        if "raw" not in pred or "terms" not in meas:
+            continue                                   # a profile from before per-term validation
+        for part in ("decode", "prefill"):
+            for term, m in meas["terms"].get(part, {}).items():
+                raw, cal = pred["raw"][part].get(term, 0.0), pred["calibrated"][part].get(term, 0.0)
+                out.append({"host": name or host_name(p), "plan": i, "picked": i == v.get("picked"), "term": f"{part}.{term}",
+                            "predicted_raw_ms": 1e3 * raw, "predicted_calibrated_ms": 1e3 * cal, "measured_ms": 1e3 * m,
+                            "raw_error": (raw - m) / m if m > 0 else None})
+    return out
 
 
 def bench_record(row: dict) -> dict:

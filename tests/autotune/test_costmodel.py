@@ -121,7 +121,7 @@ def test_cpu_only_host_gets_cpu_plans(epyc, v41):
 
 def test_cpu_host_dense_term_is_the_runtime_path(epyc, v41):
     """On a CPU host the dense term is (fp8 dense as stored + 2 x head) bytes at the measured dense-path rate,
-    plus the shared expert on the CPU-MoE kernel; without the figure it falls back to DRAM, and says so."""
+    the shared expert its own term on the CPU-MoE kernel; without the figure it falls back to DRAM, and says so."""
     cpu = copy.deepcopy(epyc)
     cpu["host"]["hard"].update(gpu_name="", gpu_vram_gib=0)
     plan, wl = Plan(host_expert_budget_gib=100.0), Workload(1024, 64)
@@ -135,7 +135,9 @@ def test_cpu_host_dense_term_is_the_runtime_path(epyc, v41):
     fp8, shared = v41.bytes_by_class["dense"], v41.bytes_by_class["shared_expert"]
     head = v41.dense_bytes_per_token - fp8 - shared
     moe_gbs = r.terms["cpu_moe_gbs"]
-    assert r.terms["decode_dense_s"] == pytest.approx((fp8 + 2 * head) / 10e9 + shared / (moe_gbs * 1e9))
+    assert r.terms["decode_dense_s"] == pytest.approx((fp8 + 2 * head) / 10e9)
+    assert r.terms["decode_shared_s"] == pytest.approx(shared / (moe_gbs * 1e9))
+    assert "measured" in r.sources["dense"] and "formula" in fallback.sources["dense"]
     assert r.decode_tok_s < fallback.decode_tok_s
 
 
@@ -158,6 +160,18 @@ def test_study_persists_and_a_rerun_resumes(epyc, v4, tmp_path):
     assert res and all(r.feasible for _, r in res)
 
 
+def test_a_new_profile_of_the_same_host_or_a_changed_model_starts_a_fresh_study(epyc, v4, monkeypatch):
+    from autotune import search as S
+    wl = Workload(1024, 64)
+    name = S.study_name(epyc, v4, wl, None, False)
+    faster = copy.deepcopy(epyc)
+    faster["measurements"]["pcie_gather_gbs"]["median"] *= 2
+    assert S.study_name(faster, v4, wl, None, False) != name            # same hardware, new figures
+    assert S.study_name({**epyc, "calibration": {"dspark_p_accept": 0.4}}, v4, wl, None, False) != name
+    monkeypatch.setattr(S, "model_version", lambda: "another model")
+    assert S.study_name(epyc, v4, wl, None, False) != name
+
+
 def test_plan_cli_json(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("DSV41_CACHE", str(tmp_path / "cache"))
     assert tune_main(["plan", "--profile", "profiles/5090-epyc.json", "--config", "deepseek-v4.1-flash",
@@ -168,7 +182,7 @@ def test_plan_cli_json(capsys, tmp_path, monkeypatch):
     p = tmp_path / "plan.json"
     p.write_text(json.dumps(d["plan"]))
     assert tune_main(["plan", "--profile", "profiles/5090-epyc.json", "--config", "deepseek-v4.1-flash",
-                      "--json", "--plan", str(p)]) == 0
+                      "--json", "--plan", str(p), "--prompt-tokens", "2048"]) == 0
     again = json.loads(capsys.readouterr().out)
     assert again["predicted"]["decode_tok_s"] == pytest.approx(d["predicted"]["decode_tok_s"])
     assert tune_main(["plan", "--profile", "profiles/5090-epyc.json", "--config", "deepseek-v4-flash", "--plan", str(p)]) == 2
@@ -213,3 +227,44 @@ def test_plan_roundtrip_and_errors(tmp_path):
     prof = {"host": {"hard": {}}, "plan": plan.to_dict()}
     (tmp_path / "p.json").write_text(json.dumps(prof))
     assert Plan.load(tmp_path / "p.json") == plan
+
+
+# ---------------------------------------------------------------- quantized variants of V4.1
+@pytest.mark.parametrize("fmt,per_weight", [("fp4", 17 / 32), ("mxfp4", 17 / 32), ("nvfp4", 1 / 2 + 1 / 16),
+                                            ("fp8", 1.0), ("bf16", 2.0)])
+def test_each_expert_format_has_its_byte_formula_in_the_footprint(fmt, per_weight):
+    from runtime.config import expert_format_bytes
+    cfg = ModelConfig.preset("deepseek-v4.1-flash").replace(expert_dtype=fmt)
+    fp = Footprint.from_config(cfg)                                   # from the layout's tensors
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    assert fp.expert_bytes == cfg.expert_bytes == expert_format_bytes(fmt, H, I)
+    assert fp.expert_bytes == pytest.approx(3 * H * I * per_weight, rel=0.002)   # + per-row / per-block scales
+    assert fp.routed_expert_bytes_total == cfg.num_hidden_layers * cfg.n_routed_experts * fp.expert_bytes
+    assert fp.expert_dtype == fmt and fp.geometry_hash != Footprint.from_config(cfg.replace(expert_dtype="bf16" if fmt != "bf16" else "fp4")).geometry_hash
+
+
+def test_plan_another_format_says_it_needs_another_engine(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("DSV41_CACHE", str(tmp_path / "cache"))
+    roomy = load_profile("profiles/5090-epyc.json")
+    roomy["host"]["hard"]["ram_gib"] = 2048
+    p = tmp_path / "roomy.json"
+    save_profile(p, roomy)
+    out = {}
+    for fmt in ("fp4", "fp8"):
+        assert tune_main(["plan", "--profile", str(p), "--config", "deepseek-v4.1-flash", "--expert-dtype", fmt,
+                          "--json", "--trials", "150"]) == 0
+        out[fmt] = json.loads(capsys.readouterr().out)["predicted"]
+    assert any("needs another engine" in n for n in out["fp8"]["notes"])
+    assert not any("needs another engine" in n for n in out["fp4"]["notes"])
+    assert out["fp8"]["decode_tok_s"] < out["fp4"]["decode_tok_s"]          # twice the expert bytes per token
+
+
+def test_the_runtime_refuses_another_format_by_name(tmp_path):
+    from runtime.checkpoint.synth import make_checkpoint
+    from runtime.engine import Engine
+    cfg = ModelConfig.preset("tiny").replace(expert_dtype="nvfp4")
+    with pytest.raises(ValueError, match="expert_dtype 'nvfp4'.*ds_fp4"):
+        make_checkpoint(cfg, tmp_path / "w")                            # no synthetic nvfp4 weights
+    d = make_checkpoint(cfg, tmp_path / "s", skeleton=True)
+    with pytest.raises(ValueError, match=r"config.json: expert_dtype 'nvfp4'.*another engine"):
+        Engine(d)

@@ -32,9 +32,18 @@ def test_quick_profile_is_complete_and_valid(quick_profile, tiny_dir):
     assert qds == sorted(qds) and all(e["iops"] > 0 and e["p95_us"] >= e["p50_us"] > 0 for e in m["nvme_randread_4k"])
     assert all(not e["path"].startswith("/") for e in m["nvme_randread_4k"])     # relative to the checkpoint
     assert m["contended"][0]["pair"] == "cpu_moe+nvme_randread" and m["contended"][0]["cpu_moe_gbs"]["median"] > 0
-    assert m["moe_dispatch_fixed_us"]["median"] > 0
+    assert m["moe_dispatch_fixed_us"]["median"] > 0 and m["moe_fixed_us"]["cpu"] == m["moe_dispatch_fixed_us"]
+    for s in ("offload", "hybrid"):                     # the device strategies: measured on CUDA, else why not
+        assert ("skipped" in m["moe_fixed_us"][s]) != cuda_available()
     d = m["dense_path_gbs"]                              # the runtime's own dense path, CPU host
     assert "skipped" in d or (d["median"] > 0 and len(d["samples"]) >= 3 and d["geometry"])
+    att = m["attention_s_per_token"]                     # attention vs context, through the runtime
+    assert "skipped" in att or (len(att["points"]) >= 2 and all(p["median"] > 0 for p in att["points"])
+                                and att["points"][0]["context"] < att["points"][-1]["context"])
+    r = m["routing"]                                     # a routing trace of one request on this checkpoint
+    assert r["geometry"] == p["host"]["soft"]["geometry_hash"] and r["decode_tokens"] > 0
+    assert r["lru_hit"][0] == 0 and r["lru_hit"][-1] == 1 and r["static_hit"][-1] == 1
+    assert r["union"]["1"] == 4 and 4 < r["union"]["2"] <= 8
     assert not list(tiny_dir.parent.glob(".dsv41-probe-*")) and not list(tiny_dir.glob("*probe*"))   # scratch removed
     assert all(len(e["samples"]) >= 3 and e["min"] <= e["iops"] <= e["max"] for e in m["nvme_randread_4k"])
     assert all(k in p["host"]["hard"] for k in HARD_FIELDS)

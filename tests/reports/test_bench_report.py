@@ -50,6 +50,9 @@ def test_report_renders_two_hosts_with_plots_and_html(shipped, tuned, bench_rows
     assert hosts["dram_gbs"].notna().all() and (hosts.filter(like="kernel_ratio_").notna().sum(axis=1) >= 1).all()
     val = pd.read_csv(tmp_path / "validation.csv")
     assert len(val) >= 2 and val["measured_tok_s"].gt(0).all() and val["picked"].sum() == 1
+    terms = pd.read_csv(tmp_path / "terms.csv")                                  # predicted vs measured per term
+    assert {"decode.moe", "decode.dense", "decode.attention", "prefill.moe"} <= set(terms["term"])
+    assert terms["measured_ms"].ge(0).all() and terms["predicted_calibrated_ms"].notna().all()
     page = (tmp_path / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 4 and "5090-epyc" in page      # self-contained
     assert r["tables"]["bench"] == 3

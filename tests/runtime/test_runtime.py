@@ -12,6 +12,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
+from hostinfo import cuda_available
 from runtime.budget import DoesNotFit, check_plan, check_request
 from runtime.checkpoint.reader import Checkpoint
 from runtime.engine import Engine
@@ -199,7 +200,7 @@ def test_dsv41_run_cli_cold_and_warm(tiny_dir, tmp_path, capsys):
     d = json.loads(capsys.readouterr().out)
     assert len(d["tokens"]) == 6 and d["ttft_s"] > 0 and d["decode_tok_s"] > 0 and d["plan"]["moe_strategy"] == "hybrid"
     assert d["cold"]["tokens"] == d["warm"]["tokens"] and 0.0 <= d["cold_resident_fraction_before_load"] <= 1.0
-    assert {"attention_dense", "cpu_moe", "gather", "device_moe"} <= set(d["phases"])
+    assert {"attention", "dense", "cpu_moe", "gather", "device_moe"} <= set(d["phases"])
     assert main(["--checkpoint", str(tiny_dir), "--prompt-tokens", "40000", "--max-tokens", "6"]) == 2
     assert "exceed the plan's max_context" in capsys.readouterr().err
 
@@ -226,12 +227,24 @@ def test_dispatch_and_gather_costs_are_exposed(ck):
     pe = PlacedExperts(ck, Plan(moe_strategy="offload", slot_cache_experts=40))
     d = pe.dispatch_seconds(3, repeats=5)
     assert len(d) == 5 and all(0 < s < 1 for s in d)
+    assert pe.gathered >= 5 * 4                                      # every probe call started from an empty cache
     one, four = pe.gather_seconds(2, 1), pe.gather_seconds(2, 4)
     assert one > 0 and four > 0 and len(pe.cache.where) == 4 and all(k[0] == 2 for k in pe.cache.where)
     assert all(pe.gather_seconds(2, 4) > 0 for _ in range(20))      # repeated samples: each a real gather
     with pytest.raises(ValueError, match="cannot gather"):
         pe.gather_seconds(2, 100)
     pe.close()
+
+
+def test_every_strategy_s_fixed_cost_is_timed_through_the_runtime(ck):
+    """The profiler's moe_fixed_us: cpu on the host; offload and hybrid on CUDA, here on the CPU stand-in
+    device (the same code path, so the probe is exercised; its figures are not a GPU's)."""
+    from autotune.probes.runtime_paths import fixed_costs
+    out = fixed_costs(ck, threads=1, repeats=3, device="cpu")
+    for s in ("cpu", "offload", "hybrid"):
+        assert out[s]["median"] > 0 and len(out[s]["samples"]) == 3 and out[s]["geometry"] == ck.config.geometry_hash()
+    plain = fixed_costs(ck, threads=1, repeats=3)
+    assert cuda_available() or all("no CUDA device" in plain[s]["skipped"] for s in ("offload", "hybrid"))
 
 
 @pytest.mark.parametrize("placement,depth,cache_mib,scales_in_ram", [

@@ -1,0 +1,156 @@
+"""Probes through the runtime's own code paths, at the checkpoint's geometry: what each cost-model term
+costs where the kernels' figures cannot say (autotune/terms.py).
+
+forward_terms  the runtime's decode forwards at several contexts and prefill chunks (a cpu plan, experts
+               in RAM up to the probe budget): the `dense` phase (as GB/s of dense_path_bytes, and
+               FLOP/s over a chunk), `attention` against context, the shared expert per layer, Engram
+               row assembly, and the time outside every phase per layer; each timed where it runs
+fixed_costs    each MoE strategy's fixed cost per layer call (runtime/experts.py dispatch_seconds):
+               cpu everywhere; offload and hybrid where a CUDA device runs them
+routing        a routing trace of one request (prompt + generated tokens) through the runtime, turned
+               into hit-rate curves and expert unions (autotune/routing.py)
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from autotune.routing import curve
+from hostinfo import cuda_available, probe_budget_bytes
+from hostinfo.measure import Measurement
+from runtime.budget import dense_path_bytes
+from runtime.checkpoint.reader import Checkpoint
+from runtime.plan import Plan
+
+
+def _fig(m: Measurement, **kw) -> dict:
+    d = m.to_dict()
+    d.update(kw)
+    return d
+
+
+def _probe_engine(ck: Checkpoint, threads: int, max_context: int):
+    """The runtime as a cpu plan serves, its experts in RAM up to half the probe memory budget (the rest
+    read from the NVMe tier): the phases are timed beside the MoE kernel's threads, as they run."""
+    from runtime.engine import Engine
+    fp = ck.footprint()
+    budget = probe_budget_bytes() // 2
+    plan = Plan(cpu_threads=threads, max_context=max_context, prefill_chunk=64,
+                host_expert_budget_gib=None if fp.routed_expert_bytes_total <= budget else budget / 2**30,
+                engram_placement="nvme_mmap" if ck.config.engram_layer_ids else "host")
+    return Engine(ck, plan, device="cpu")
+
+
+def forward_terms(ck: Checkpoint, quick: bool, threads: int, contexts=None, chunk: int = 64) -> dict:
+    """-> {dense_path_gbs, dense_path_tflops, attention_s_per_token, shared_call_us, engram_rows_s,
+    step_other_s_per_layer}, each keyed to the geometry: decode forwards of the runtime at several
+    contexts, then prefill chunks; each phase timed where it runs (beside the MoE kernel's threads)."""
+    from autotune.terms import dense_params
+    cfg, fp = ck.config, ck.footprint()
+    contexts = contexts or ((32, 256) if quick else (64, 256, 1024))
+    repeats = 5 if quick else 12
+    e = _probe_engine(ck, threads, max(contexts) + (repeats + 3) * len(contexts) + 4 * chunk + 8)
+    model, experts = e.model, e.experts
+    st = model.new_state(e.plan.max_context)
+    dense, other, rows, shared, points = [], [], [], [], []
+    L, n_engram = cfg.num_hidden_layers, max(len(cfg.engram_layer_ids), 1)
+    ids = lambda n: [(st.pos + k) % (cfg.vocab_size - 1) + 1 for k in range(n)]  # noqa: E731
+
+    def timed(tokens):
+        model.phases.seconds.clear()
+        experts.seconds.clear()
+        t0 = time.perf_counter()
+        model.forward(st, tokens)
+        wall = time.perf_counter() - t0
+        ph = {**model.phases.seconds, **experts.seconds}
+        inside = sum(ph.get(k, 0.0) for k in ("attention", "dense", "engram_wait", "moe_layer_total", "shared_moe"))
+        return max(0.0, wall - inside), ph
+    try:
+        with torch.inference_mode():
+            for ctx in contexts:
+                while st.pos < ctx:                                              # extend the sequence to ctx
+                    model.forward(st, ids(min(chunk, ctx - st.pos)))
+                att = []
+                for r in range(repeats + 2):
+                    out, ph = timed(ids(1))
+                    if r >= 2:                                                    # two warm-up forwards
+                        att.append(ph["attention"])
+                        dense.append(ph["dense"])
+                        shared.append(ph.get("shared_moe", 0.0) / L)
+                        rows.append(ph.get("engram_wait", 0.0) / n_engram)
+                        other.append(out / L)
+                points.append({"context": st.pos, **_fig(Measurement(tuple(att), "s"))})
+            timed(ids(chunk))                                                     # warm-up, then prefill chunks
+            pre = [timed(ids(chunk))[1] for _ in range(2 if quick else 3)]
+    finally:
+        e.close()
+    geo = cfg.geometry_hash()
+    path_bytes = dense_path_bytes(fp)
+    flop = 2 * dense_params(fp) * chunk
+    out = {"dense_path_gbs": _fig(Measurement(tuple(path_bytes / s / 1e9 for s in dense), "GB/s",
+                                              note="the runtime's `dense` phase per decode token"), geometry=geo),
+           "dense_path_tflops": _fig(Measurement(tuple(flop / p["dense"] / 1e12 for p in pre), "TFLOP/s",
+                                                 note=f"the runtime's `dense` phase over a {chunk}-token prefill chunk"),
+                                     geometry=geo, tokens=chunk),
+           "attention_s_per_token": {"geometry": geo, "points": points, "unit": "s", "source": "measured",
+                                     "prefill": {"tokens": chunk, "context": st.pos - chunk // 2,
+                                                 **_fig(Measurement(tuple(p["attention"] for p in pre), "s"))},
+                                     "note": "the runtime's `attention` phase (attention + indexer): per decode token at "
+                                             "each context; `prefill`: one chunk's, at its middle context"},
+           "step_other_s_per_layer": _fig(Measurement(tuple(other), "s", note="a decode forward's time outside its phases, per layer"),
+                                          geometry=geo)}
+    out["shared_call_us"] = (_fig(Measurement(tuple(x * 1e6 for x in shared), "us", note="`shared_moe` per layer per decode token"),
+                                  geometry=geo) if cfg.n_shared_experts else {"skipped": "the model has no shared expert"})
+    out["engram_rows_s"] = (_fig(Measurement(tuple(rows), "s", note="`engram_wait` per Engram layer per decode forward, rows "
+                                                                    "in the page cache (the assembly cost, no I/O wait)"), geometry=geo)
+                            if cfg.engram_layer_ids else {"skipped": "no Engram layers"})
+    return out
+
+
+def fixed_costs(ck: Checkpoint, threads: int, repeats: int = 20, device: str | None = None) -> dict:
+    """{strategy: figure (us per MoE layer call) or {skipped}} through PlacedExperts at this geometry.
+    The device strategies run on CUDA (`device` overrides it: tests run their code on the CPU stand-in)."""
+    from runtime.experts import PlacedExperts
+    cfg = ck.config
+    K = cfg.num_experts_per_tok
+    budget = cfg.num_hidden_layers * max(K, 1) * cfg.expert_bytes / 2**30 * 1.01    # the probed experts resident
+    out = {}
+    for strategy in ("cpu", "offload", "hybrid"):
+        where = "cpu" if strategy == "cpu" else device or "cuda"
+        if where == "cuda" and not cuda_available():
+            out[strategy] = {"skipped": "no CUDA device on this host: the device strategies cannot run here"}
+            continue
+        plan = Plan(moe_strategy=strategy, cpu_threads=threads, host_expert_budget_gib=budget,
+                    slot_cache_experts=0 if strategy == "cpu" else 2 * K, fetch_fraction=0.5)
+        pe = PlacedExperts(ck, plan, device=where)
+        try:
+            s = pe.dispatch_seconds(min(1, cfg.num_hidden_layers - 1), repeats=repeats)
+        finally:
+            pe.close()
+        out[strategy] = _fig(Measurement(tuple(x * 1e6 for x in s), "us",
+                                         note=f"routed() per layer minus its kernels and transfers ({strategy}, runtime path)"),
+                             geometry=cfg.geometry_hash())
+    return out
+
+
+def routing(ck: Checkpoint, quick: bool, threads: int) -> dict:
+    """A routing trace of one request on this checkpoint -> the profile's `routing` entry."""
+    from tokenizers import Tokenizer
+
+    from runtime.engine import Engine
+    from runtime.workload import make_prompt
+    cfg = ck.config
+    P, D = (96, 32) if quick else (384, 96)
+    fp = ck.footprint()
+    budget = min(fp.routed_expert_bytes_total, probe_budget_bytes() // 2) / 2**30
+    plan = Plan(cpu_threads=threads, max_context=P + D + 8, prefill_chunk=128,
+                host_expert_budget_gib=None if budget * 2**30 >= fp.routed_expert_bytes_total else budget,
+                engram_placement="nvme_mmap" if cfg.engram_layer_ids else "host")
+    e = Engine(ck, plan, device="cpu")
+    try:
+        trace = e.record_routing()
+        e.generate(make_prompt(Tokenizer.from_file(str(ck.root / "tokenizer.json")), P, seed=11), D)
+    finally:
+        e.close()
+    return curve(trace)

@@ -1,0 +1,154 @@
+"""The cost model's terms: one function per phase of the runtime's phase table (seconds).
+
+  term                 runtime phases it predicts (runtime/engine.py Result.phases / prefill_phases)
+  moe                  moe_layer_total  routed experts per layer call: fixed cost + bytes per strategy
+  shared               shared_moe       the shared expert (always the CPU kernel in the runtime)
+  dense                dense            linears, norms, router, LM head
+  attention            attention        attention + indexer (grows with context)
+  engram_wait          engram_wait      the forward thread waiting for Engram rows
+  draft                dspark_draft     the DSpark drafter (its dense part and its MoE on the CPU)
+  other                (the rest)       wall time outside every phase: per-layer Python, sampling
+
+Decode MoE per strategy (n distinct experts per layer, h hit rate, miss bytes B = n L (1-h) e):
+  cpu      L fixed_cpu + B / cpu
+  offload  L fixed_off + B / gather + n L e / dev_mem                     (gather, then compute on device)
+  hybrid   L fixed_hyb + max(f B / gather_c + f B / dev_mem, (1-f) B / cpu_c', B / dram)
+           cpu_c' = cpu_c (t-1)/t: one of the plan's t threads drives the device side (formula);
+           (cpu_c, gather_c) the contended pair, their sum capped by DRAM read (autotune/figures.py)
+  + hits on the device n L h e / dev_mem, + the NVMe tier q B / nvme_seq (the page cache's share of it
+    at DRAM speed when read through nvme_mmap).
+"""
+from __future__ import annotations
+
+from autotune.figures import HostFigures
+from runtime.checkpoint.footprint import Footprint
+from runtime.plan import Plan
+
+PHASES = {"moe": ("moe_layer_total",), "shared": ("shared_moe",), "dense": ("dense",), "attention": ("attention",),
+          "engram_wait": ("engram_wait",), "draft": ("dspark_draft",)}
+ENGRAM_ROWS_PER_LAYER = 24
+
+
+def measured_terms(phases: dict, wall_s: float, per: float) -> dict:
+    """A runtime phase table (seconds) -> the terms' measured seconds (each / `per`), `other` the rest."""
+    out = {t: sum(phases.get(p, 0.0) for p in ps) / per for t, ps in PHASES.items()}
+    out["other"] = max(0.0, wall_s / per - sum(out.values()))
+    return out
+
+
+def moe(f: HostFigures, plan: Plan, fp: Footprint, n: float, hit: float, q_nvme: float, page_share: float) -> float:
+    """Seconds for one forward's routed experts when each layer reads n distinct experts."""
+    L, eb = fp.num_layers, fp.expert_bytes
+    miss = n * L * (1 - hit) * eb
+    dev = n * L * hit * eb / (f.dev_mem * 1e9) if f.gpu and hit else 0.0
+    t_nvme = 0.0
+    if q_nvme and f.nvme_seq:
+        via_cache = page_share if plan.expert_nvme_path == "nvme_mmap" else 0.0
+        t_nvme = q_nvme * miss * ((1 - via_cache) / (f.nvme_seq * 1e9) + via_cache / (f.dram * 1e9))
+    if not f.gpu or plan.moe_strategy == "cpu":
+        body = miss / (f.cpu * 1e9)
+    elif plan.moe_strategy == "offload":
+        body = miss / (f.gather * 1e9) + miss / (f.dev_mem * 1e9)
+    else:
+        cpu_c, gather_c = f.contended or (f.cpu, f.gather)
+        t = plan.cpu_threads or 0
+        cpu_c = cpu_c * (t - 1) / t if t > 1 else cpu_c
+        fr = plan.fetch_fraction
+        body = max(fr * miss / (gather_c * 1e9) + fr * miss / (f.dev_mem * 1e9), (1 - fr) * miss / (cpu_c * 1e9),
+                   miss / (f.dram * 1e9))
+    return L * f.fixed + body + dev + t_nvme
+
+
+def shared(f: HostFigures, fp: Footprint, tokens: int) -> float:
+    """The shared expert over `tokens` on the CPU kernel: one call per layer (as timed at this geometry
+    at batch 1 by the profiler, else its bytes at the CPU-MoE figure), FLOP-bound when wide."""
+    if not fp.bytes_by_class.get("shared_expert"):
+        return 0.0
+    flop = 2 * 3 * fp.hidden_size * fp.moe_intermediate_size * tokens * fp.num_layers
+    once = fp.num_layers * f.shared_call if f.shared_call else fp.bytes_by_class["shared_expert"] / (f.cpu * 1e9)
+    return max(once, flop / f.cpu_flops)
+
+
+def dense_params(fp: Footprint) -> float:
+    """Dense parameters per token (~ their fp8 bytes + the bf16 LM head's)."""
+    fp8 = fp.bytes_by_class["dense"]
+    return fp8 + (fp.dense_bytes_per_token - fp.bytes_by_class["shared_expert"] - fp8) / 2
+
+
+def dense(f: HostFigures, fp: Footprint, tokens: int, path_bytes: int) -> tuple[float, str]:
+    """The dense path over `tokens` (one forward). GPU: weights read once or FLOP-bound. CPU, timed at
+    this geometry: t1 = path bytes at the measured per-token rate, tc = the measured chunk of c tokens;
+    linear between them, then proportional (FLOP-bound). Else: bytes at DRAM read or FLOP-bound."""
+    flop = 2 * dense_params(fp) * tokens
+    if f.gpu:
+        nbytes = fp.dense_bytes_per_token - fp.bytes_by_class["shared_expert"]
+        return max(nbytes / (f.dev_mem * 1e9), flop / f.dev_flops), "formula: dense bytes / device memory read"
+    if f.dense_path:
+        t1 = path_bytes / (f.dense_path * 1e9)
+        if f.dense_flops and f.dense_chunk > 1:
+            c = f.dense_chunk
+            tc = 2 * dense_params(fp) * c / f.dense_flops
+            t = t1 + (tc - t1) * (tokens - 1) / (c - 1) if tokens <= c else tc * tokens / c
+        else:
+            t = max(t1, flop / f.cpu_flops)
+        return t, "measured: the runtime's dense path at this geometry (per token, and over a prefill chunk)"
+    return (max(path_bytes / (f.dram * 1e9), flop / f.cpu_flops),
+            "formula: dense_path_bytes / DRAM stream read (dense_path_gbs not measured at this geometry)")
+
+
+def engram_io(plan: Plan, fp: Footprint, iops: float, tokens: int, page_share: float) -> float:
+    """Seconds to read one forward's Engram rows for one layer (host placement: 0)."""
+    if not fp.engram_rows_total or plan.engram_placement == "host":
+        return 0.0
+    reads = ENGRAM_ROWS_PER_LAYER * (1 if plan.engram_scales_in_ram else 2) * tokens
+    miss = 1 - (page_share if plan.engram_placement == "nvme_mmap" else 0.0)
+    return reads * miss / iops
+
+
+def engram_wait(plan: Plan, fp: Footprint, t_io: float, t_layer: float) -> float:
+    """Every read is issued before the forward: layer l's rows hide behind the l layers before it."""
+    if not t_io:
+        return 0.0
+    return sum(max(0.0, t_io - t_layer * l) for l in fp.engram_layer_ids)
+
+
+def draft(f: HostFigures, fp: Footprint, head_bytes: int) -> float:
+    """One drafted token: the drafter's routed top-k + shared experts on the CPU kernel (its experts
+    live in host RAM: runtime/experts.py drafter_moe), its dense part and the shared LM head where the
+    dense weights are (device on a GPU host, else the CPU dense path)."""
+    if not fp.dspark_num_layers:
+        return 0.0
+    moe_b = (fp.top_k + (1 if fp.bytes_by_class.get("shared_expert") else 0)) * fp.drafter_expert_bytes
+    dense_b = fp.drafter_dense_bytes + head_bytes
+    bw = f.dev_mem if f.gpu else (f.dense_path or f.dram)
+    return fp.dspark_num_layers * 2 * f.fixed_cpu + moe_b / (f.cpu * 1e9) + dense_b / (bw * 1e9)
+
+
+def accepted_per_step(p: float, d: int) -> float:
+    """Tokens per verify step under the geometric law: 1 + p + ... + p^d."""
+    return (1 - p ** (d + 1)) / (1 - p) if p < 1 else d + 1.0
+
+
+def prefill_moe(f: HostFigures, plan: Plan, fp: Footprint, tokens: int, layers: int, union) -> float:
+    """The routed experts over `tokens` in chunks: each chunk of n reads union(n) experts per layer
+    (from the routing curve), bytes or FLOP bound, on the CPU or streamed to the device."""
+    if tokens <= 0 or layers <= 0:
+        return 0.0
+    K, eb, H, I = fp.top_k, fp.expert_bytes, fp.hidden_size, fp.moe_intermediate_size
+    t, c = 0.0, plan.prefill_chunk
+    for c0 in range(0, tokens, c):
+        n = min(c, tokens - c0)
+        nbytes = union(n) * eb * layers
+        flop = 2 * 3 * H * I * K * n * layers
+        if plan.prefill_moe_path == "device" and f.gpu:
+            t += max(nbytes / (f.h2d * 1e9), flop / f.dev_flops) + layers * f.fixed
+        else:
+            t += max(nbytes / (f.cpu * 1e9), flop / f.cpu_flops) + layers * f.fixed_cpu
+    return t
+
+
+def chunks(tokens: int, chunk: int) -> list[tuple[int, int]]:
+    """[(start, n)] of a prompt's chunks."""
+    return [(c0, min(chunk, tokens - c0)) for c0 in range(0, tokens, chunk)]
+
+
