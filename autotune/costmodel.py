@@ -38,9 +38,6 @@ TERMS = tuple(T.PHASES) + ("other",)
 ASSUMED = {   # priors the model uses, each flagged in every prediction's notes (source: assumed)
     "os_headroom": f"host RAM kept for the OS and the process: {OS_HEADROOM / GIB:.0f} GiB (assumed)",
     "graphs": f"CUDA graph pool: {GRAPHS_BYTES / GIB:.0f} GiB (assumed)",
-    "routing": "slot-cache hit rate and expert unions from uniform, independent routing (assumed: no routing "
-               "trace of this model in the profile, and none published for V4.1)",
-    "other": "time outside every phase (per-layer Python, sampling) not measured: 0 s (assumed)",
 }
 
 
@@ -131,8 +128,9 @@ class _Ctx:
         self.hit = f.routing.hit(plan.slot_cache_experts, plan.moe_strategy, plan.fetch_fraction) if f.gpu else 0.0
         self.iops = _iops(profile, plan.engram_io_depth) if fp.engram_rows_total and plan.engram_placement != "host" else None
         self.path_bytes = dense_path_bytes(fp)
-        self.sources = {}
+        self.sources = dict(f.sources)
         self.notes = []
+        self.extra = {}
 
     def forward(self, tokens: int, context: float, n_experts: float = 0, moe_s: float | None = None) -> dict:
         """One forward over `tokens` at `context` (its routed experts: n_experts per layer, or moe_s
@@ -177,7 +175,9 @@ def prefill_terms(c: _Ctx) -> dict:
     for c0, n in T.chunks(P, plan.prefill_chunk):
         dec_n = max(0, c0 + n - max(c0, dec_from))           # decoder tokens of this chunk
         share = (enc * n + (L - enc) * dec_n) / (L * n)      # the layers x tokens this chunk really runs
-        moe = T.prefill_moe(f, plan, fp, n, enc, f.routing.union) + T.prefill_moe(f, plan, fp, dec_n, L - enc, f.routing.union)
+        q, ps = c.mem["nvme_share"], c.mem["page_share"]
+        moe = T.prefill_moe(f, plan, fp, n, enc, f.routing.union, q, ps) + \
+            T.prefill_moe(f, plan, fp, dec_n, L - enc, f.routing.union, q, ps)
         t = c.forward(n, c0 + n / 2, moe_s=moe)
         for k in TERMS:
             out[k] += t[k] * (share if k in ("shared", "dense") else 1.0)
@@ -200,15 +200,11 @@ def predict(plan: Plan, profile: dict, fp: Footprint, wl: Workload, allow_inexac
     mem, mem_why = memory(plan, profile, fp, f)
     why += mem_why
     c = _Ctx(plan, profile, fp, wl, f, mem)
-    c.extra = {}
     dec, pre = decode_terms(c), prefill_terms(c)
-    notes = list(f.notes) + [ASSUMED["os_headroom"]] + c.notes + [f"{k}: {v}" for k, v in c.sources.items() if "not measured" in v]
+    notes = list(f.notes) + [ASSUMED["os_headroom"]] + c.notes + \
+        [f"{k}: {v}" for k, v in c.sources.items() if "not measured" in v or v.startswith("assumed")]
     if f.gpu:
         notes.append(ASSUMED["graphs"])
-    if f.routing.source == "assumed":
-        notes.append(ASSUMED["routing"])
-    if f.other_per_layer is None:
-        notes.append(ASSUMED["other"])
     raw = {"decode_tok_s": 1 / sum(dec.values()), "ttft_s": sum(pre.values()), "decode": dec, "prefill": pre}
     dec_c, pre_c = _calibrated(dec, pre, profile)
     tok_s, ttft = 1 / sum(dec_c.values()), sum(pre_c.values())
@@ -216,7 +212,4 @@ def predict(plan: Plan, profile: dict, fp: Footprint, wl: Workload, allow_inexac
         notes.append(f"TTFT {ttft:.1f} s is over the budget {wl.ttft_budget_s} s")
     terms = {**{f"decode_{k}_s": v for k, v in dec_c.items()}, **{f"prefill_{k}_s": v for k, v in pre_c.items()},
              "hit_rate": c.hit, "nvme_share": mem["nvme_share"], "cpu_moe_gbs": f.cpu, **c.extra}
-    sources = {"moe": f"fixed {plan.moe_strategy if f.gpu else 'cpu'} per layer: measured/published in the profile "
-                      "(moe_fixed_us); bytes over the CPU-MoE / gather figures",
-               "routing": f.routing.source, **c.sources}
-    return Prediction(tok_s, ttft, not why, why, mem, terms, notes, sources, raw)
+    return Prediction(tok_s, ttft, not why, why, mem, terms, notes, c.sources, raw)

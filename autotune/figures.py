@@ -29,6 +29,19 @@ def is_gpu(profile) -> bool:
     return bool(profile["host"]["hard"].get("gpu_name"))
 
 
+def source_of(profile: dict, key: str) -> str:
+    """'measured' / 'published (citation)' / 'formula (...)' / 'assumed' for a measurement key (a.b for nested)."""
+    v = profile["measurements"]
+    for k in key.split("."):
+        v = v.get(k) if isinstance(v, dict) else None
+    if isinstance(v, list):
+        v = next((e for e in v if isinstance(e, dict) and "source" in e), None)
+    if not isinstance(v, dict) or "source" not in v:
+        return "absent"
+    extra = v.get("citation") or v.get("formula") or v.get("note") or ""
+    return v["source"] + (f" ({extra})" if extra and v["source"] != "measured" else "")
+
+
 def fixed_us(profile: dict, strategy: str) -> float | None:
     """A strategy's fixed cost per MoE layer call (us). The cpu path falls back on the older
     `moe_dispatch_fixed_us` (the same runtime path's dispatch cost)."""
@@ -145,6 +158,19 @@ def gather_figures(plan: Plan, profile: dict, fp: Footprint) -> HostFigures:
     f.other_per_layer = float(oth["median"]) if oth else None
     f.routing = Routing(m.get("routing") if (m.get("routing") or {}).get("geometry") == fp.geometry_hash else None,
                         fp.num_layers, fp.n_routed_experts, fp.top_k)
+    fixed_key = "moe_fixed_us." + strategy if (m.get("moe_fixed_us") or {}).get(strategy, {}).get("source") else "moe_dispatch_fixed_us"
+    at = lambda v, key: "measured at this geometry" if v else f"not measured at this geometry ({key})"  # noqa: E731
+    f.sources = {
+        "moe": f"fixed per layer call: {fixed_key} [{source_of(profile, fixed_key)}]; bytes over cpu_moe_gbs "
+               f"[{source_of(profile, 'cpu_moe_gbs')}]" + (f", pcie_gather_gbs [{source_of(profile, 'pcie_gather_gbs')}]" if gpu else ""),
+        "shared": "shared_call_us " + at(f.shared_call, "its bytes over cpu_moe_gbs instead"),
+        "engram_wait": "engram_rows_s " + at(f.engram_rows, "row assembly counted as 0") +
+                       ("; reads over nvme_randread_4k [" + source_of(profile, "nvme_randread_4k") + "]"),
+        "draft": f"formula: drafter experts over cpu_moe_gbs, its dense part and the head over {'gpu_mem_gbs' if gpu else 'the dense path'}",
+        "other": "step_other_s_per_layer [measured] x layers" if f.other_per_layer is not None else "assumed: 0 s (not measured)",
+        "routing": "measured: a routing trace of this checkpoint" if f.routing.source == "measured" else
+                   "assumed: uniform, independent routing (no trace at this geometry; none published for V4.1)",
+    }
     return f
 
 

@@ -41,10 +41,7 @@ def moe(f: HostFigures, plan: Plan, fp: Footprint, n: float, hit: float, q_nvme:
     L, eb = fp.num_layers, fp.expert_bytes
     miss = n * L * (1 - hit) * eb
     dev = n * L * hit * eb / (f.dev_mem * 1e9) if f.gpu and hit else 0.0
-    t_nvme = 0.0
-    if q_nvme and f.nvme_seq:
-        via_cache = page_share if plan.expert_nvme_path == "nvme_mmap" else 0.0
-        t_nvme = q_nvme * miss * ((1 - via_cache) / (f.nvme_seq * 1e9) + via_cache / (f.dram * 1e9))
+    t_nvme = nvme_read(f, plan, miss, q_nvme, page_share)
     if not f.gpu or plan.moe_strategy == "cpu":
         body = miss / (f.cpu * 1e9)
     elif plan.moe_strategy == "offload":
@@ -129,22 +126,28 @@ def accepted_per_step(p: float, d: int) -> float:
     return (1 - p ** (d + 1)) / (1 - p) if p < 1 else d + 1.0
 
 
-def prefill_moe(f: HostFigures, plan: Plan, fp: Footprint, tokens: int, layers: int, union) -> float:
-    """The routed experts over `tokens` in chunks: each chunk of n reads union(n) experts per layer
-    (from the routing curve), bytes or FLOP bound, on the CPU or streamed to the device."""
+def nvme_read(f: HostFigures, plan: Plan, nbytes: float, q_nvme: float, page_share: float) -> float:
+    """Seconds to read the NVMe tier's share q of `nbytes` of experts (the page cache's share of it at
+    DRAM speed when read through nvme_mmap)."""
+    if not q_nvme or not f.nvme_seq:
+        return 0.0
+    via_cache = page_share if plan.expert_nvme_path == "nvme_mmap" else 0.0
+    return q_nvme * nbytes * ((1 - via_cache) / (f.nvme_seq * 1e9) + via_cache / (f.dram * 1e9))
+
+
+def prefill_moe(f: HostFigures, plan: Plan, fp: Footprint, tokens: int, layers: int, union, q_nvme: float = 0.0,
+                page_share: float = 0.0) -> float:
+    """The routed experts over one chunk of `tokens`: union(n) experts per layer (the routing curve),
+    bytes or FLOP bound, on the CPU or streamed to the device; the NVMe tier's share read first."""
     if tokens <= 0 or layers <= 0:
         return 0.0
     K, eb, H, I = fp.top_k, fp.expert_bytes, fp.hidden_size, fp.moe_intermediate_size
-    t, c = 0.0, plan.prefill_chunk
-    for c0 in range(0, tokens, c):
-        n = min(c, tokens - c0)
-        nbytes = union(n) * eb * layers
-        flop = 2 * 3 * H * I * K * n * layers
-        if plan.prefill_moe_path == "device" and f.gpu:
-            t += max(nbytes / (f.h2d * 1e9), flop / f.dev_flops) + layers * f.fixed
-        else:
-            t += max(nbytes / (f.cpu * 1e9), flop / f.cpu_flops) + layers * f.fixed_cpu
-    return t
+    nbytes = union(tokens) * eb * layers
+    flop = 2 * 3 * H * I * K * tokens * layers
+    read = nvme_read(f, plan, nbytes, q_nvme, page_share)
+    if plan.prefill_moe_path == "device" and f.gpu:
+        return read + max(nbytes / (f.h2d * 1e9), flop / f.dev_flops) + layers * f.fixed
+    return read + max(nbytes / (f.cpu * 1e9), flop / f.cpu_flops) + layers * f.fixed_cpu
 
 
 def chunks(tokens: int, chunk: int) -> list[tuple[int, int]]:

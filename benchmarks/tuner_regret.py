@@ -36,7 +36,7 @@ from autotune.tune import tune  # noqa: E402
 from autotune.validate import calibration, measure_plans, noise_floor  # noqa: E402
 from runtime.checkpoint.reader import Checkpoint  # noqa: E402
 from runtime.plan import Plan  # noqa: E402
-from runtime.profile import save_profile  # noqa: E402
+from runtime.profile import load_profile, save_profile  # noqa: E402
 from runtime.workload import Workload, make_prompt  # noqa: E402
 
 
@@ -82,6 +82,7 @@ def main(argv=None):
     ap.add_argument("--max-minutes", type=float, default=20)
     ap.add_argument("--tuner-minutes", type=float, default=6, help="reserved for the tuner and the final pair")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", help="reuse this host's quick profile of the checkpoint (else one is made, ~5 min on mini)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     t0 = time.time()
@@ -94,8 +95,11 @@ def main(argv=None):
     prompt = make_prompt(Tokenizer.from_file(str(ck.root / "tokenizer.json")), wl.prompt_tokens, seed=7)
     tmp = Path(tempfile.mkdtemp(prefix="dsv41-regret-"))
     prof_path = tmp / "host.json"
-    print("profiling this host (quick)", flush=True)
-    prof = run_profile(ck, quick=True)
+    if args.profile:
+        prof = load_profile(args.profile)
+    else:
+        print("profiling this host (quick)", flush=True)
+        prof = run_profile(ck, quick=True)
     save_profile(prof_path, prof)
     rows = []
     t_grid_end = t0 + (args.max_minutes - args.tuner_minutes) * 60

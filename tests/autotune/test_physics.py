@@ -91,3 +91,17 @@ def test_hybrid_without_a_gather_figure_or_fixed_cost_names_the_key(v4):
     del h["measurements"]["moe_fixed_us"]["hybrid"]
     with pytest.raises(MissingFigure, match="moe_fixed_us.hybrid"):
         predict(Plan(moe_strategy="hybrid", max_context=8192), h, v4, WL)
+
+
+def test_every_term_names_its_source_and_every_assumption_is_flagged(v4):
+    from autotune.costmodel import TERMS
+    from runtime.profile import load_profile
+    epyc = load_profile("profiles/5090-epyc.json")
+    r = predict(Plan(moe_strategy="hybrid", max_context=8192), epyc, v4, WL)
+    assert set(TERMS) - {"draft"} <= set(r.sources) and "routing" in r.sources
+    words = ("measured", "published", "formula", "assumed")
+    assert all(any(w in s for w in words) for s in r.sources.values()), r.sources
+    for k, s in r.sources.items():
+        if s.startswith("assumed") or "not measured" in s:
+            assert any(n.startswith(f"{k}: ") for n in r.notes), k          # flagged in the output
+    assert "published" in r.sources["moe"] and "assumed" in r.sources["routing"]
