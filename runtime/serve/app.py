@@ -3,9 +3,12 @@
   POST /v1/completions, /v1/chat/completions   (stream: SSE `data: {chunk}` ... `data: [DONE]`)
   GET  /v1/models, /health, /metrics (Prometheus), /dsv41/info (plan + host), /dsv41/tokenizer.json
 
-Errors use OpenAI's shape {"error": {message, type, param, code}}: 400 for a malformed body, bad
-sampling values, a prompt past the context or max_tokens out of range; 404 for an unknown model; 429
-when the queue is full; 503 when the engine is gone. Each response carries the request's TTFT and
+Errors use OpenAI's shape {"error": {message, type, param, code}} everywhere (unknown routes and methods,
+template failures and unexpected errors included): 400 for a malformed body, bad sampling values, a
+parameter this server does not implement set to a non-default value (named), a prompt past the context
+or max_tokens out of range; 404 for an unknown model or route; 405 for a wrong method; 413 for a body
+over MAX_BODY_BYTES; 429 with Retry-After when the queue is full; 503 when the engine is gone.
+Tokenization and chat templating run off the event loop. Each response carries the request's TTFT and
 decode tok/s: headers x-dsv41-ttft-s / x-dsv41-decode-tok-s (non-streaming) and a `dsv41` member
 (both; in a stream, on the chunk that carries finish_reason)."""
 from __future__ import annotations
@@ -20,7 +23,8 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.serve.text import TextStream
 from runtime.serve.worker import Job, QueueFull, Worker
@@ -31,9 +35,25 @@ class ClientGone(Exception):
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None, headers: dict | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.status, self.message, self.param, self.kind, self.code, self.headers = status, message, param, kind, code, headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+MAX_BODY_BYTES = 8 << 20          # a request body above this is refused (413) before it is parsed
+RETRY_AFTER_S = 1
+# OpenAI parameters this server does not implement -> the values that mean "not used"
+UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+               "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+               "repetition_penalty": (None, 1), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
+               "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None,),
+               "response_format": (None, {"type": "text"}), "min_tokens": (None, 0), "top_k": (None, -1, 0),
+               "min_p": (None, 0), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
+               "reasoning_effort": (None,), "service_level": (None,), "metadata": (None, {}), "store": (None, False)}
 
 
 class StreamOptions(BaseModel):
@@ -41,15 +61,16 @@ class StreamOptions(BaseModel):
 
 
 class Sampling(BaseModel):
+    model_config = ConfigDict(extra="allow")         # extras are checked against UNSUPPORTED, else ignored
     model: str
-    max_tokens: int | None = None
+    max_tokens: StrictInt | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    n: StrictInt = Field(1, ge=1, le=1, description="one choice per request")
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = Field(None, validate_default=True)
-    seed: int | None = None
+    seed: StrictInt | None = Field(None, ge=-(1 << 63), lt=1 << 63)
     ignore_eos: bool = False           # generate exactly max_tokens (load generators use it)
     user: str | None = None
 
@@ -80,11 +101,55 @@ class Message(BaseModel):
 
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: StrictInt | None = None
 
 
-def _error(status, message, param=None, kind="invalid_request_error"):
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+def _error(status, message, param=None, kind="invalid_request_error", code=None, headers=None):
+    return JSONResponse(ApiError(status, message, param, kind, code).body(), status_code=status, headers=headers)
+
+
+def unsupported(req: BaseModel) -> None:
+    """A parameter this server does not implement, set to a value that would change the output: 400."""
+    for k, v in (req.model_extra or {}).items():
+        if k in UNSUPPORTED and v not in UNSUPPORTED[k]:
+            raise ApiError(400, f"{k} is not supported by this server (got {json.dumps(v)[:80]}); leave it unset",
+                           k, code="unsupported_parameter")
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes gets 413 in OpenAI's shape, unread."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge()
+            return msg
+        try:
+            return await self.app(scope, counted, send)
+        except _TooLarge:
+            return await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope, receive, send):
+        resp = _error(413, f"the request body is over {self.limit} bytes", kind="invalid_request_error", code="body_too_large")
+        await resp(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
 
 
 def create_app(engine, tokenizer, template, model_id: str, info: dict, max_queue: int = 16, metrics=None) -> FastAPI:
@@ -103,10 +168,24 @@ def create_app(engine, tokenizer, template, model_id: str, info: dict, max_queue
 
     app = FastAPI(title="dsv41", version="0.1.0", lifespan=lifespan)
     app.state.worker, app.state.metrics = worker, metrics
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
 
     @app.exception_handler(ApiError)
     async def _api_error(_, e: ApiError):
-        return _error(e.status, e.message, e.param, e.kind)
+        return _error(e.status, e.message, e.param, e.kind, e.code, e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        if e.status_code == 404:
+            return _error(404, f"no route {request.method} {request.url.path}", kind="not_found_error", code="unknown_url")
+        if e.status_code == 405:
+            return _error(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed",
+                          headers=getattr(e, "headers", None))
+        return _error(e.status_code, str(e.detail), kind="invalid_request_error" if e.status_code < 500 else "server_error")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_, e: Exception):
+        return _error(500, f"internal error: {type(e).__name__}", kind="server_error", code="internal_error")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, e: RequestValidationError):
@@ -119,6 +198,7 @@ def create_app(engine, tokenizer, template, model_id: str, info: dict, max_queue
         return _error(400, f"{where}: {err.get('msg')}", where)
 
     def _check(req: Sampling, prompt: list[int], max_tokens: int | None, default_max: int) -> int:
+        unsupported(req)
         if req.model != model_id:
             raise ApiError(404, f"model {req.model!r} is not served here; this server serves {model_id!r}", "model", "not_found_error")
         room = plan.max_context - len(prompt)
@@ -143,7 +223,8 @@ def create_app(engine, tokenizer, template, model_id: str, info: dict, max_queue
         try:
             worker.submit(job)
         except QueueFull as e:
-            raise ApiError(429, str(e), kind="rate_limit_error") from None
+            raise ApiError(429, str(e), kind="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         return job
 
     async def _run(job: Job, stops: list[str]):
@@ -170,7 +251,7 @@ def create_app(engine, tokenizer, template, model_id: str, info: dict, max_queue
                 tail = ts.flush()
                 if tail:
                     yield "text", tail
-                reason = "stop" if value.tokens and value.tokens[-1] in job.stop_ids else "length"
+                reason = "stop" if ts.stopped or (value.tokens and value.tokens[-1] in job.stop_ids) else "length"
                 break
         stats = {"ttft_s": (t_first or t) - job.enqueued,
                  "decode_tok_s": (n - 1) / (t_last - t_first) if n > 1 and t_last > t_first else 0.0,
@@ -209,7 +290,7 @@ def create_app(engine, tokenizer, template, model_id: str, info: dict, max_queue
                 except ClientGone:
                     return
                 except ApiError as e:
-                    yield f"data: {json.dumps({'error': {'message': e.message, 'type': e.kind}})}\n\n"
+                    yield f"data: {json.dumps(e.body())}\n\n"
                 finally:                                 # the client went away or we are done: free the slot
                     job.cancelled.set()
             return StreamingResponse(sse(), media_type="text/event-stream")
@@ -240,20 +321,28 @@ def create_app(engine, tokenizer, template, model_id: str, info: dict, max_queue
         return JSONResponse(body, headers={"x-dsv41-ttft-s": f"{stats['ttft_s']:.6f}",
                                            "x-dsv41-decode-tok-s": f"{stats['decode_tok_s']:.3f}"})
 
+    async def _encode(text: str) -> list[int]:
+        return (await asyncio.to_thread(tokenizer.encode, text)).ids         # off the event loop
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        prompt = req.prompt if isinstance(req.prompt, list) else tokenizer.encode(req.prompt).ids
+        unsupported(req)
+        prompt = req.prompt if isinstance(req.prompt, list) else await _encode(req.prompt)
         n = _check(req, prompt, req.max_tokens, 16)
         return await _respond(request, req, await _submit(req, prompt, n), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
+        unsupported(req)
         try:
-            text = template.render([m.model_dump() for m in req.messages])
+            text = await asyncio.to_thread(template.render, [m.model_dump() for m in req.messages])
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
-        prompt = tokenizer.encode(text).ids
-        n = _check(req, prompt, req.max_completion_tokens or req.max_tokens, 256)
+        except Exception as e:                       # the template itself failed on these messages
+            raise ApiError(400, f"the chat template could not render these messages: {type(e).__name__}: {e}",
+                           "messages", code="template_error") from None
+        prompt = await _encode(text)
+        n = _check(req, prompt, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens, 256)
         return await _respond(request, req, await _submit(req, prompt, n), chat=True)
 
     @app.get("/v1/models")

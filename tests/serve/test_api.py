@@ -73,14 +73,63 @@ def test_chat_stream_and_non_stream(client, server):
     ({"model": "tiny", "prompt": ""}, 400, "empty"),
     ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ({"model": "tiny"}, 400, "prompt"),
+    ({"model": "tiny", "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ({"model": "tiny", "prompt": "hi", "echo": True}, 400, "echo"),
+    ({"model": "tiny", "prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ({"model": "tiny", "prompt": "hi", "suffix": "x"}, 400, "suffix"),
+    ({"model": "tiny", "prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"model": "tiny", "prompt": "hi", "seed": 2 ** 70}, 400, "seed"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
 ])
 def test_bad_requests_get_their_status(server, body, status, words):
     path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
     kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
     r = httpx.post(server + path, timeout=30, **kw)
     assert r.status_code == status, r.text
-    assert words in r.json()["error"]["message"]
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and words in err["message"]
+    if isinstance(body, dict) and words in body and status == 400:
+        assert err["param"] == words                                   # the parameter is named
     assert _health(server)["status"] == "ok"
+
+
+def test_defaults_of_unsupported_parameters_are_accepted(client):
+    r = client.completions.create(model="tiny", prompt="hello", max_tokens=2, temperature=0, logprobs=None, echo=False,
+                                  presence_penalty=0, frequency_penalty=0, best_of=1)
+    assert r.choices[0].text is not None
+
+
+def test_every_error_has_openai_s_shape_routes_methods_and_size_included(server, client):
+    for r, status in ((httpx.get(server + "/v1/nothing"), 404), (httpx.get(server + "/v1/completions"), 405),
+                      (httpx.post(server + "/v1/completions", content=b"x" * (9 << 20),
+                                  headers={"content-type": "application/json"}, timeout=60), 413)):
+        assert r.status_code == status, r.text
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.BadRequestError) as e:                      # the official client reads it
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2, logprobs=3)
+    assert e.value.body["param"] == "logprobs" and e.value.body["code"] == "unsupported_parameter"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi")
+
+
+def test_a_template_that_fails_on_the_messages_is_a_400_in_shape(tiny_dir, tmp_path):
+    from fastapi.testclient import TestClient
+    from runtime.serve.app import create_app
+    from runtime.serve.chat import ChatTemplate
+    f = tmp_path / "t.jinja"
+    f.write_text("{{ messages[3].content }}")                       # StrictUndefined: fails with one message
+    e = Engine(tiny_dir, Plan(max_context=256, cpu_threads=1))
+    tok = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+    try:
+        with TestClient(create_app(e, tok, ChatTemplate(f), "tiny", {})) as c:
+            r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "template_error"
+            assert r.json()["error"]["param"] == "messages" and "chat template" in r.json()["error"]["message"]
+    finally:
+        e.close()
 
 
 def _wait_idle(url, timeout=30):
@@ -131,7 +180,7 @@ def test_a_full_queue_gets_429_and_loses_nothing(server):
         while (lambda h: h["running"] + h["queued"])(_health(server)) < k + 1:
             time.sleep(0.05)
     r = httpx.post(server + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=30)
-    assert r.status_code == 429 and "queue" in r.json()["error"]["message"]
+    assert r.status_code == 429 and "queue" in r.json()["error"]["message"] and r.headers["retry-after"] == "1"
     for t in threads:
         t.join()
     assert [results[k] for k in range(3)] == [(200, 200)] * 3                    # the queued ones lost nothing

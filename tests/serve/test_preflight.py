@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings, strategies as st
 from tokenizers import Tokenizer
 
 from runtime.budget import DoesNotFit
@@ -58,6 +59,42 @@ def test_text_stream_holds_partial_characters_and_finds_stops_across_tokens(tiny
     ts = TextStream(tok, stop=["end."])
     out = "".join(ts.push(i) for i in ids)
     assert ts.stopped and out == "héllo wörld, the " and ts.flush() == ""
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_dir):
+    return Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_incremental_text_equals_the_whole_decode_and_cuts_at_the_earliest_stop(tok, data):
+    """Any token stream (byte pieces that split UTF-8 characters included): the released text is the
+    whole decode; with stops, it ends right before the earliest match of any of them."""
+    ids = data.draw(st.lists(st.integers(0, tok.get_vocab_size() - 1), min_size=1, max_size=60))
+    whole = tok.decode(ids, skip_special_tokens=True)
+    ts = TextStream(tok)
+    assert "".join(ts.push(i) for i in ids) + ts.flush() == whole
+    if len(whole) > 4:
+        a = data.draw(st.integers(0, len(whole) - 2))
+        stops = [whole[a:a + data.draw(st.integers(1, 3))], data.draw(st.text(min_size=1, max_size=3))]
+        stops = data.draw(st.permutations(stops))
+        first = min(at for at in (whole.find(s) for s in stops) if at >= 0)
+        ts = TextStream(tok, stops)
+        assert "".join(ts.push(i) for i in ids) + ts.flush() == whole[:first] and ts.stopped
+
+
+def test_incremental_detokenization_decodes_a_window_not_the_whole_output(tok):
+    calls = []
+
+    class Counting:
+        def decode(self, ids, skip_special_tokens=True):
+            calls.append(len(ids))
+            return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+    ts = TextStream(Counting())
+    for i in tok.encode("the quick brown fox " * 200).ids:
+        ts.push(i)
+    assert max(calls) <= 16                    # each push decodes a few ids, however long the output
 
 
 def test_chat_template_renders_roles_and_refuses_unknown_ones(tmp_path):
