@@ -43,6 +43,7 @@ class Result:
     logits: list = field(default_factory=list, repr=False)
     dspark: dict = field(default_factory=dict)    # steps, drafted, accepted, mean_accepted, ... (DSpark on)
     engram: dict = field(default_factory=dict)    # Engram counters over the request: rows, hits, reads, bytes
+    slot_lookups: tuple = (0, 0)                  # the slot cache's (hits, misses) over the decode steps
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -187,7 +188,8 @@ class Engine:
                       self._decode_hit_rate(hm0),
                       st.indexer_peak_bytes,
                       budget.indexer_peak_bytes(self.footprint, chunk, len(prompt), torch.finfo(model.dtype).bits // 8),
-                      logits_kept[:n], spec, dict(self.engram.counters) if self.engram is not None else {})
+                      logits_kept[:n], spec, dict(self.engram.counters) if self.engram is not None else {},
+                      self._decode_lookups(hm0))
 
     def _plain(self, st, last, max_tokens, temperature, gen, keep):
         """One target pass per token."""
@@ -246,12 +248,13 @@ class Engine:
                 n += 1
                 yield tok
 
-    def _decode_hit_rate(self, hm0) -> float:
-        """The slot cache's hit rate over this request's decode steps (experts looked up per layer call)."""
+    def _decode_lookups(self, hm0) -> tuple[int, int]:
+        """The slot cache's (hits, misses) over this request's decode steps (experts looked up per layer call)."""
         cache = getattr(self.experts, "cache", None)
-        if cache is None:
-            return 0.0
-        h, m = cache.hits - hm0[0], cache.misses - hm0[1]
+        return (0, 0) if cache is None else (cache.hits - hm0[0], cache.misses - hm0[1])
+
+    def _decode_hit_rate(self, hm0) -> float:
+        h, m = self._decode_lookups(hm0)
         return h / (h + m) if h + m else 0.0
 
     def _phases(self, reset: bool) -> dict:

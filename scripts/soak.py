@@ -95,6 +95,11 @@ def metric(url, name):
     return 0.0
 
 
+def finished_ok(url, model):
+    """Requests the server finished normally (stop or length), as its metrics count them."""
+    return sum(metric(url, f'dsv41:request_success_total{{finished_reason="{r}",model_name="{model}"}}') for r in ("stop", "length"))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--url")
@@ -122,7 +127,7 @@ def main():
         proc = psutil.Process(pid) if pid else None
         stats = {"model": httpx.get(url + "/v1/models").json()["data"][0]["id"], "sent": 0, "completed": 0, "failed": [],
                  "lost": 0, "aborted": 0}
-        ok0 = metric(url, 'dsv41_requests_total{outcome="ok"}')
+        ok0 = finished_ok(url, stats["model"])
         rss, deadline, rng = [], time.time() + args.duration, random.Random(args.seed)
 
         async def run():
@@ -135,7 +140,7 @@ def main():
         asyncio.run(run())
         time.sleep(1)
         health = httpx.get(url + "/health").json()
-        server_ok = metric(url, 'dsv41_requests_total{outcome="ok"}') - ok0
+        server_ok = finished_ok(url, stats["model"]) - ok0
         if proc:
             rss.append(proc.memory_info().rss)
         out = {"clients": args.clients, "seconds": round(time.time() - t0, 1), "sent": stats["sent"], "completed": stats["completed"],

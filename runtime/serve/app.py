@@ -119,12 +119,13 @@ def unsupported(req: BaseModel) -> None:
 class BodyLimit:
     """ASGI middleware: a request body over `limit` bytes gets 413 in OpenAI's shape, unread."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, on_refuse=None):
+        self.app, self.limit, self.on_refuse = app, limit, on_refuse
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        scope.setdefault("state", {})["arrival"] = time.perf_counter()    # TTFT counts from here
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await self._refuse(scope, receive, send)
@@ -144,6 +145,8 @@ class BodyLimit:
             return await self._refuse(scope, receive, send)
 
     async def _refuse(self, scope, receive, send):
+        if self.on_refuse:
+            self.on_refuse(413)
         resp = _error(413, f"the request body is over {self.limit} bytes", kind="invalid_request_error", code="body_too_large")
         await resp(scope, receive, send)
 
@@ -157,7 +160,7 @@ def create_app(engine, tokenizer, template, model_id: str, info: dict, max_queue
     from runtime.budget import planned_bytes
     fp, plan = engine.footprint, engine.plan
     planned = planned_bytes(plan, fp, on_cpu=engine.device == "cpu")       # the same accounting as admission
-    metrics = metrics or Metrics({"host": planned["anon"], "mapped": planned["file"], "device": planned["device"]})
+    metrics = metrics or Metrics({"host": planned["anon"], "mapped": planned["file"], "device": planned["device"]}, model_id)
     worker = Worker(engine, metrics, max_queue)
     eos = tokenizer.token_to_id("<eos>")
     vocab = engine.cfg.vocab_size
@@ -168,14 +171,16 @@ def create_app(engine, tokenizer, template, model_id: str, info: dict, max_queue
 
     app = FastAPI(title="dsv41", version="0.1.0", lifespan=lifespan)
     app.state.worker, app.state.metrics = worker, metrics
-    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES, on_refuse=metrics.error)
 
     @app.exception_handler(ApiError)
     async def _api_error(_, e: ApiError):
+        metrics.error(e.status)
         return _error(e.status, e.message, e.param, e.kind, e.code, e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
+        metrics.error(e.status_code)
         if e.status_code == 404:
             return _error(404, f"no route {request.method} {request.url.path}", kind="not_found_error", code="unknown_url")
         if e.status_code == 405:
@@ -185,10 +190,12 @@ def create_app(engine, tokenizer, template, model_id: str, info: dict, max_queue
 
     @app.exception_handler(Exception)
     async def _unexpected(_, e: Exception):
+        metrics.error(500)
         return _error(500, f"internal error: {type(e).__name__}", kind="server_error", code="internal_error")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, e: RequestValidationError):
+        metrics.error(400)
         err = e.errors()[0]
         if err.get("type") == "json_invalid":
             return _error(400, f"the body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
@@ -214,12 +221,12 @@ def create_app(engine, tokenizer, template, model_id: str, info: dict, max_queue
                                 f"{plan.max_context}-token context, got {n}", "max_tokens")
         return n
 
-    async def _submit(req: Sampling, prompt: list[int], max_tokens: int) -> Job:
+    async def _submit(req: Sampling, prompt: list[int], max_tokens: int, arrival: float) -> Job:
         if not worker.thread.is_alive():
             raise ApiError(503, "the engine is not running", kind="server_error")
         seed = req.seed if req.seed is not None else secrets.randbits(31)    # no seed: a fresh sample each time
         job = Job(prompt, max_tokens, req.temperature, seed, () if req.ignore_eos or eos is None else (eos,),
-                  asyncio.get_running_loop())
+                  asyncio.get_running_loop(), arrival=arrival)
         try:
             worker.submit(job)
         except QueueFull as e:
@@ -253,7 +260,7 @@ def create_app(engine, tokenizer, template, model_id: str, info: dict, max_queue
                     yield "text", tail
                 reason = "stop" if ts.stopped or (value.tokens and value.tokens[-1] in job.stop_ids) else "length"
                 break
-        stats = {"ttft_s": (t_first or t) - job.enqueued,
+        stats = {"ttft_s": (t_first or t) - job.arrival,
                  "decode_tok_s": (n - 1) / (t_last - t_first) if n > 1 and t_last > t_first else 0.0,
                  "prompt_tokens": len(job.prompt), "completion_tokens": n}
         yield "end", reason, stats
@@ -326,13 +333,15 @@ def create_app(engine, tokenizer, template, model_id: str, info: dict, max_queue
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
+        arrival = getattr(request.state, "arrival", time.perf_counter())
         unsupported(req)
         prompt = req.prompt if isinstance(req.prompt, list) else await _encode(req.prompt)
         n = _check(req, prompt, req.max_tokens, 16)
-        return await _respond(request, req, await _submit(req, prompt, n), chat=False)
+        return await _respond(request, req, await _submit(req, prompt, n, arrival), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
+        arrival = getattr(request.state, "arrival", time.perf_counter())
         unsupported(req)
         try:
             text = await asyncio.to_thread(template.render, [m.model_dump() for m in req.messages])
@@ -343,7 +352,7 @@ def create_app(engine, tokenizer, template, model_id: str, info: dict, max_queue
                            "messages", code="template_error") from None
         prompt = await _encode(text)
         n = _check(req, prompt, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens, 256)
-        return await _respond(request, req, await _submit(req, prompt, n), chat=True)
+        return await _respond(request, req, await _submit(req, prompt, n, arrival), chat=True)
 
     @app.get("/v1/models")
     async def models():

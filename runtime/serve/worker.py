@@ -23,6 +23,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    arrival: float = field(default_factory=time.perf_counter)   # when the HTTP request arrived (set by the handler)
     enqueued: float = field(default_factory=time.perf_counter)
     stop_hit: bool = False             # the handler found a stop string and ended the request itself
 
@@ -46,12 +47,12 @@ class Worker:
         self.thread.start()
 
     def submit(self, job: Job) -> None:
+        job.enqueued = time.perf_counter()
         try:
             self.q.put_nowait(job)
         except queue.Full:
-            self.metrics.requests.labels("rejected").inc()
             raise QueueFull(f"the request queue is full ({self.q.maxsize} waiting); retry later") from None
-        self.metrics.queued.set(self.q.qsize())
+        self.metrics.waiting.set(self.q.qsize())
 
     def stop(self) -> None:
         self.alive = False
@@ -63,30 +64,30 @@ class Worker:
     def _loop(self) -> None:
         while self.alive:
             job = self.q.get()
-            self.metrics.queued.set(self.q.qsize())
+            self.metrics.waiting.set(self.q.qsize())
             if job is None:
                 return
             if job.cancelled.is_set():
-                self.metrics.requests.labels("cancelled").inc()
+                self.metrics.success("abort")
                 job.emit("cancelled", None, time.perf_counter())
                 continue
             self.running = 1
-            self.metrics.inflight.set(1)
+            self.metrics.running.set(1)
             try:
                 self._generate(job)
             except Exception as e:                       # a bad request never takes the server down
-                self.metrics.requests.labels("error").inc()
+                self.metrics.error(500)
                 job.emit("error", f"{type(e).__name__}: {e}", time.perf_counter())
             finally:
                 self.running = 0
-                self.metrics.inflight.set(0)
+                self.metrics.running.set(0)
 
     def _generate(self, job: Job) -> None:
         m = self.metrics
         t0 = last = time.perf_counter()
-        m.queue_wait.observe(t0 - job.enqueued)
+        m.queue_time.observe(t0 - job.enqueued)
         it = self.engine.stream(job.prompt, job.max_tokens, job.temperature, job.seed, stop_ids=job.stop_ids)
-        n, result = 0, None
+        n, result, first = 0, None, None
         try:
             while not job.cancelled.is_set():
                 try:
@@ -95,17 +96,27 @@ class Worker:
                     result = done.value
                     break
                 now = time.perf_counter()
-                (m.ttft if n == 0 else m.itl).observe(now - (t0 if n == 0 else last))
+                if n == 0:
+                    first = now
+                    m.ttft.observe(now - job.arrival)
+                    m.prefill_time.observe(now - t0)
+                else:
+                    m.itl.observe(now - last)
                 last, n = now, n + 1
                 job.emit("token", tok, now)
         finally:
             it.close()
         m.prompt_tokens.inc(len(job.prompt))
         m.generated.inc(n)
+        m.prompt_len.observe(len(job.prompt))
+        m.gen_len.observe(n)
+        if first is not None:
+            m.decode_time.observe(last - first)
+            m.e2e.observe(last - job.arrival)
         if result is None:
-            m.requests.labels("ok" if job.stop_hit else "cancelled").inc()
+            m.success("stop" if job.stop_hit else "abort")
             job.emit("cancelled", None, time.perf_counter())
             return
-        m.finished(result)
-        m.requests.labels("ok").inc()
+        m.finished(result, result.slot_lookups)
+        m.success("stop" if result.tokens and result.tokens[-1] in job.stop_ids else "length")
         job.emit("done", result, time.perf_counter())

@@ -56,8 +56,8 @@ def test_chat_stream_and_non_stream(client, server):
     assert s[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in s) == r.choices[0].message.content
     assert [m.id for m in client.models.list().data] == ["tiny"]
-    assert _metric(server, "dsv41_ttft_seconds_count") >= 2
-    assert _metric(server, 'dsv41_requests_total{outcome="ok"}') >= 2
+    assert _metric(server, 'dsv41:time_to_first_token_seconds_count{model_name="tiny"}') >= 2
+    assert _metric(server, 'dsv41:request_success_total{finished_reason="length",model_name="tiny"}') >= 2
 
 
 @pytest.mark.parametrize("body,status,words", [
@@ -115,6 +115,27 @@ def test_every_error_has_openai_s_shape_routes_methods_and_size_included(server,
         client.completions.create(model="nope", prompt="hi")
 
 
+VLLM_NAMES = ("time_to_first_token_seconds", "e2e_request_latency_seconds", "inter_token_latency_seconds",
+              "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+              "request_prompt_tokens", "request_generation_tokens", "request_success_total", "prompt_tokens_total",
+              "generation_tokens_total", "num_requests_running", "num_requests_waiting")
+
+
+def test_metrics_are_named_and_labelled_as_vllm_s_with_no_last_request_gauges(server, client):
+    client.completions.create(model="tiny", prompt="hello there", max_tokens=3, temperature=0)
+    httpx.post(server + "/v1/completions", json={"model": "tiny", "prompt": "hi", "echo": True}, timeout=30)
+    text = httpx.get(server + "/metrics", timeout=5).text
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    for n in VLLM_NAMES:
+        assert any(x == "dsv41:" + n or x.startswith("dsv41:" + n + "_") for x in names), n
+    assert not any(x.endswith("_created") for x in names)                        # no stray created series
+    assert all('model_name="tiny"' in line for line in text.splitlines() if line.startswith("dsv41:"))
+    assert _metric(server, 'dsv41:request_errors_total{model_name="tiny",status="400"}') >= 1   # 4xx counted
+    gauges = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE") and line.endswith(" gauge")]
+    assert set(gauges) == {"dsv41:num_requests_running", "dsv41:num_requests_waiting", "dsv41:memory_bytes"}
+    assert _metric(server, 'dsv41:request_prompt_tokens_count{model_name="tiny"}') >= 1
+
+
 def test_a_template_that_fails_on_the_messages_is_a_400_in_shape(tiny_dir, tmp_path):
     from fastapi.testclient import TestClient
     from runtime.serve.app import create_app
@@ -144,7 +165,7 @@ def _wait_idle(url, timeout=30):
 
 def test_a_disconnect_mid_stream_frees_the_slot(server, client):
     _wait_idle(server)
-    before = _metric(server, 'dsv41_requests_total{outcome="cancelled"}') or 0
+    before = _metric(server, 'dsv41:request_success_total{finished_reason="abort",model_name="tiny"}') or 0
     with httpx.stream("POST", server + "/v1/completions", timeout=60,
                       json={"model": "tiny", "prompt": "Return a list", "max_tokens": 480, "stream": True,
                             "ignore_eos": True}) as r:
@@ -157,7 +178,7 @@ def test_a_disconnect_mid_stream_frees_the_slot(server, client):
                 break
     assert len(got) == 3
     _wait_idle(server)                       # well before 480 tokens could have been generated
-    assert (_metric(server, 'dsv41_requests_total{outcome="cancelled"}') or 0) >= before + 1
+    assert (_metric(server, 'dsv41:request_success_total{finished_reason="abort",model_name="tiny"}') or 0) >= before + 1
     r = client.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0)
     assert r.usage.completion_tokens >= 1
 
@@ -198,6 +219,6 @@ def test_sampling_is_seeded_when_asked_and_fresh_otherwise(client):
 def test_metrics_show_the_plans_bytes_from_the_one_accounting(server, tiny_dir):
     from runtime.budget import planned_bytes
     planned = planned_bytes(Plan(max_context=512), Checkpoint(tiny_dir).footprint(), on_cpu=True)
-    assert _metric(server, 'dsv41_memory_bytes{source="plan",tier="host"}') == planned["anon"]
-    assert _metric(server, 'dsv41_memory_bytes{source="plan",tier="mapped"}') == planned["file"]
-    assert _metric(server, 'dsv41_memory_bytes{source="measured",tier="host"}') > planned["anon"]   # + the process
+    assert _metric(server, 'dsv41:memory_bytes{model_name="tiny",source="plan",tier="host"}') == planned["anon"]
+    assert _metric(server, 'dsv41:memory_bytes{model_name="tiny",source="plan",tier="mapped"}') == planned["file"]
+    assert _metric(server, 'dsv41:memory_bytes{model_name="tiny",source="measured",tier="host"}') > planned["anon"]
