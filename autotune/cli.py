@@ -56,7 +56,8 @@ def cmd_plan(args) -> int:
     from autotune.search import pareto, runner_up, search, why_none
     profile = load_profile(args.profile)
     fp = _footprint(args)
-    wl = Workload(prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, ttft_budget_s=args.ttft_budget)
+    wl = Workload(prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, ttft_budget_s=args.ttft_budget,
+                  concurrency=args.concurrency, itl_budget_s=args.itl_budget)
     assumed = assumed_keys(profile)
     if args.plan:
         plan = Plan.load(args.plan)
@@ -88,7 +89,9 @@ def _print(profile, fp, wl, pick, pred, runner, assumed, study, front):
     c = console()
     host = profile["host"].get("name", "host")
     c.print(f"[bold]{fp.model}[/] on [bold]{host}[/]: prompt {wl.prompt_tokens} tokens, {wl.max_tokens} out"
-            + (f", TTFT budget {wl.ttft_budget_s} s" if wl.ttft_budget_s else ""))
+            + (f", TTFT budget {wl.ttft_budget_s} s" if wl.ttft_budget_s else "")
+            + (f", {wl.concurrency} streams" if wl.concurrency > 1 else "")
+            + (f", ITL budget {wl.itl_budget_s} s" if wl.itl_budget_s else ""))
     t = Table(title="plans")
     for col in ("", "decode tok/s", "TTFT s", "feasible", "strategy", "slots", "chunk", "mode", "engram", "dspark", "host experts"):
         t.add_column(col)
@@ -99,15 +102,30 @@ def _print(profile, fp, wl, pick, pred, runner, assumed, study, front):
                   f"{p.engram_placement} qd{p.engram_io_depth}", f"d={p.draft_length}" if p.dspark else "off",
                   "all" if p.host_expert_budget_gib is None else f"{p.host_expert_budget_gib:.0f} GiB")
     c.print(t)
+    if "aggregate_tok_s" in pred.terms:
+        c.print(f"pick: {pred.terms['concurrency']} streams per step (max_num_seqs {pick.max_num_seqs}, "
+                f"max_batched_tokens {pick.max_batched_tokens or pick.prefill_chunk}): aggregate "
+                f"{pred.terms['aggregate_tok_s']:.2f} tok/s, inter-token latency {pred.terms['itl_s']:.3f} s per stream")
+    tt = Table(title="cost model terms (pick): seconds per phase of the runtime")
+    for col in ("term", "decode ms/token", "prefill ms", "source"):
+        tt.add_column(col)
+    from rich.markup import escape
+
+    from autotune.costmodel import TERMS
+    for k in TERMS:
+        tt.add_row(k, f"{1e3 * pred.terms[f'decode_{k}_s']:.3f}", f"{1e3 * pred.terms[f'prefill_{k}_s']:.1f}",
+                   escape(pred.sources.get(k, "-")))
+    tt.add_row("routing", "", "", escape(pred.sources.get("routing", "-")))
+    c.print(tt)
     m = Table(title="memory (pick)")
     m.add_column("tier"), m.add_column("bytes", justify="right")
     for k, v in pred.memory.items():
         m.add_row(k, fmt_bytes(v) + f" ({v / GIB:.2f} GiB)")
     c.print(m)
     for w in pred.why:
-        c.print(f"[red]infeasible:[/] {w}")
+        c.print(f"[red]infeasible:[/] {escape(w)}")
     for n in pred.notes:
-        c.print(f"[yellow]note:[/] {n}")
+        c.print(f"[yellow]note:[/] {escape(n)}")
     if assumed:
         c.print(f"[yellow]assumed figures in this profile:[/] {', '.join(assumed)}")
     if study is not None:
@@ -180,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--prompt-tokens", type=int, default=WL["prompt_tokens"])
     pl.add_argument("--max-tokens", type=int, default=WL["max_tokens"])
     pl.add_argument("--ttft-budget", type=float, default=WL["ttft_budget_s"], help="seconds")
+    pl.add_argument("--concurrency", type=int, default=WL["concurrency"], help="streams at once (continuous batching)")
+    pl.add_argument("--itl-budget", type=float, default=WL["itl_budget_s"], help="seconds between a stream's tokens")
     pl.add_argument("--vram-budget", type=float, default=Plan.vram_budget_gib, help="GiB: plan for a smaller card")
     pl.add_argument("--allow-inexact-prefill", action="store_true", help="let the search choose bounded_replay")
     pl.add_argument("--plan", help="predict this plan (plan or profile file) instead of searching")
@@ -209,7 +229,8 @@ def cmd_tune(args) -> int:
 
     from autotune.tune import table, term_table, tune
     out = args.out or f"profiles/local/{platform.node() or 'host'}.json"
-    wl = Workload(prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, ttft_budget_s=args.ttft_budget)
+    wl = Workload(prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, ttft_budget_s=args.ttft_budget,
+                  concurrency=args.concurrency, itl_budget_s=args.itl_budget)
     err = console(stderr=True)
     prof = tune(args.checkpoint, out, wl, args.allow_inexact_prefill, args.quick, args.storage, log=err.print)
     rows = table(prof)
@@ -240,6 +261,8 @@ def build_tune_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=WL["prompt_tokens"])
     p.add_argument("--max-tokens", type=int, default=WL["max_tokens"])
     p.add_argument("--ttft-budget", type=float, default=WL["ttft_budget_s"])
+    p.add_argument("--concurrency", type=int, default=WL["concurrency"], help="streams at once (continuous batching)")
+    p.add_argument("--itl-budget", type=float, default=WL["itl_budget_s"], help="seconds between a stream's tokens")
     p.add_argument("--allow-inexact-prefill", action="store_true")
     p.add_argument("--out", help="profile file (default: profiles/local/<host>.json)")
     p.add_argument("--storage", default=None, help="Optuna storage URL (default: a journal under $DSV41_CACHE)")

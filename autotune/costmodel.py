@@ -7,6 +7,9 @@ per term; the figures each term reads, and their sources, come from autotune/fig
 seconds per generated token (a DSpark step's divided by its expected tokens), prefill terms seconds per
 prompt. Every source appears in `Prediction.sources`; assumptions are in `notes`, flagged.
   decode context   attention at the mid-generation context P + max_tokens / 2
+  concurrency      n = min(workload concurrency, max_num_seqs) streams share each step: union(n) experts
+                   of independent tokens per layer, attention per sequence; decode_tok_s is per stream,
+                   terms.aggregate_tok_s = n x that, terms.itl_s the step; an ITL budget is a constraint
   DSpark           tokens per step a = 1 + p + ... + p^d, p measured by validation (else 0.7, assumed);
                    verify reads union(d+1) experts per layer (the routing curve) and d+1 tokens' Engram rows
   page cache       RAM left after the plan (and the OS headroom) serves the nvme_mmap tiers' reads at DRAM
@@ -20,13 +23,13 @@ from dataclasses import asdict, dataclass, field
 
 from autotune import terms as T
 from autotune.figures import HostFigures, MissingFigure, gather_figures, is_gpu
-from runtime.budget import (dense_path_bytes, device_bytes, engram_host_bytes, host_bytes, indexer_bound_bytes,
-                            kv_state_bytes, spare, staging_bytes)
+from runtime.budget import (dense_path_bytes, device_bytes, engram_host_bytes, host_bytes, indexer_bound_bytes, kv_states_bytes,
+                            kv_state_bytes, staging_bytes)
 from runtime.checkpoint.footprint import Footprint
 from runtime.plan import Plan
 from runtime.workload import Workload
 
-__all__ = ["predict", "Prediction", "MissingFigure", "OS_HEADROOM", "GRAPHS_BYTES", "TERMS"]
+__all__ = ["predict", "objective", "Prediction", "MissingFigure", "OS_HEADROOM", "GRAPHS_BYTES", "TERMS"]
 
 GIB = 1 << 30
 GRAPHS_BYTES = 1 * GIB            # assumed CUDA graph pool
@@ -84,8 +87,9 @@ def plan_problems(plan: Plan, profile: dict, fp: Footprint, wl: Workload, allow_
     return why
 
 
-def memory(plan: Plan, profile: dict, fp: Footprint, f: HostFigures) -> tuple[dict, list[str]]:
-    """Bytes per tier from runtime/budget.py, the page cache left, and the budgets they break."""
+def memory(plan: Plan, profile: dict, fp: Footprint, f: HostFigures) -> tuple[dict, list[str], dict]:
+    """Bytes per tier from runtime/budget.py, the page cache left, the budgets they break, and the
+    shares: of the routed experts on NVMe, of the nvme_mmap tiers' bytes the page cache holds."""
     why, gpu = [], f.gpu
     routed_all = fp.routed_expert_bytes_total
     budget = routed_all if plan.host_expert_budget_gib is None else min(routed_all, plan.host_expert_budget_gib * GIB)
@@ -109,10 +113,10 @@ def memory(plan: Plan, profile: dict, fp: Footprint, f: HostFigures) -> tuple[di
     mapped = (fp.engram_bytes_total if plan.engram_placement == "nvme_mmap" else 0) + \
              (routed_all - budget if plan.expert_nvme_path == "nvme_mmap" else 0)
     pinned = budget if gpu and plan.moe_strategy != "cpu" else 0
-    return {"vram": vram, "vram_cap": vram_cap, "indexer_peak": peak, "kv": kv_state_bytes(fp, plan.max_context, spare(plan)),
+    return {"vram": vram, "vram_cap": vram_cap, "indexer_peak": peak, "kv": kv_states_bytes(plan, fp),
             "slots": plan.slot_cache_experts * fp.expert_bytes, "host": host, "pinned": pinned, "pageable": host - pinned,
-            "page_cache_left": page_cache, "page_share": min(1.0, page_cache / mapped) if mapped else 0.0,
-            "nvme_share": q_nvme, "disk": fp.total_bytes}, why
+            "page_cache_left": page_cache, "disk": fp.total_bytes}, why, \
+        {"page_share": min(1.0, page_cache / mapped) if mapped else 0.0, "nvme_share": q_nvme}
 
 
 def _head_bytes(fp: Footprint, gpu: bool) -> int:
@@ -123,8 +127,8 @@ def _head_bytes(fp: Footprint, gpu: bool) -> int:
 class _Ctx:
     """What every term of one prediction shares."""
 
-    def __init__(self, plan, profile, fp, wl, f, mem):
-        self.plan, self.profile, self.fp, self.wl, self.f, self.mem = plan, profile, fp, wl, f, mem
+    def __init__(self, plan, profile, fp, wl, f, shares):
+        self.plan, self.profile, self.fp, self.wl, self.f, self.mem = plan, profile, fp, wl, f, shares
         self.hit = f.routing.hit(plan.slot_cache_experts, plan.moe_strategy, plan.fetch_fraction) if f.gpu else 0.0
         self.iops = _iops(profile, plan.engram_io_depth) if fp.engram_rows_total and plan.engram_placement != "host" else None
         self.path_bytes = dense_path_bytes(fp)
@@ -132,14 +136,16 @@ class _Ctx:
         self.notes = []
         self.extra = {}
 
-    def forward(self, tokens: int, context: float, n_experts: float = 0, moe_s: float | None = None) -> dict:
+    def forward(self, tokens: int, context: float, n_experts: float = 0, moe_s: float | None = None,
+                sequences: int = 1) -> dict:
         """One forward over `tokens` at `context` (its routed experts: n_experts per layer, or moe_s
-        seconds when given): seconds per term."""
+        seconds when given; `sequences` > 1: one token each, attention per sequence): seconds per term."""
         f, fp, plan = self.f, self.fp, self.plan
         t = {"moe": moe_s if moe_s is not None else T.moe(f, plan, fp, n_experts, self.hit, self.mem["nvme_share"], self.mem["page_share"]),
              "shared": T.shared(f, fp, tokens)}
         t["dense"], self.sources["dense"] = T.dense(f, fp, tokens, self.path_bytes)
-        t["attention"], self.sources["attention"] = f.attention_s(tokens, context, fp, lambda c: kv_state_bytes(fp, int(c)))
+        att, self.sources["attention"] = f.attention_s(tokens // sequences, context, fp, lambda c: kv_state_bytes(fp, int(c)))
+        t["attention"] = sequences * att
         io = T.engram_io(plan, fp, self.iops, tokens, self.mem["page_share"]) if self.iops else 0.0
         t["engram_wait"] = T.engram_wait(plan, fp, io, sum(t.values()) / max(fp.num_layers, 1)) + \
             len(fp.engram_layer_ids) * f.engram_rows            # assembling the rows: per forward, as timed
@@ -153,7 +159,10 @@ def decode_terms(c: _Ctx) -> dict:
     plan, fp, wl, f = c.plan, c.fp, c.wl, c.f
     ctx = wl.prompt_tokens + wl.max_tokens / 2
     if not (plan.dspark and fp.dspark_num_layers):
-        return c.forward(1, ctx, n_experts=fp.top_k)
+        n = min(wl.concurrency, plan.max_num_seqs)          # streams sharing each step (continuous batching)
+        step = c.forward(n, ctx, n_experts=f.routing.union(n, independent=True) if n > 1 else fp.top_k, sequences=n)
+        c.extra = {"concurrency": n}
+        return {k: v / n for k, v in step.items()}
     measured_p = (c.profile.get("calibration") or {}).get("dspark_p_accept")
     d, p = plan.draft_length, DSPARK_P_ACCEPT if measured_p is None else measured_p
     a = T.accepted_per_step(p, d)
@@ -197,19 +206,32 @@ def predict(plan: Plan, profile: dict, fp: Footprint, wl: Workload, allow_inexac
     figure is ever replaced by a silent stand-in."""
     f = gather_figures(plan, profile, fp)
     why = plan_problems(plan, profile, fp, wl, allow_inexact)
-    mem, mem_why = memory(plan, profile, fp, f)
+    mem, mem_why, shares = memory(plan, profile, fp, f)
     why += mem_why
-    c = _Ctx(plan, profile, fp, wl, f, mem)
+    c = _Ctx(plan, profile, fp, wl, f, shares)
     dec, pre = decode_terms(c), prefill_terms(c)
     notes = list(f.notes) + [ASSUMED["os_headroom"]] + c.notes + \
         [f"{k}: {v}" for k, v in c.sources.items() if "not measured" in v or v.startswith("assumed")]
     if f.gpu:
         notes.append(ASSUMED["graphs"])
-    raw = {"decode_tok_s": 1 / sum(dec.values()), "ttft_s": sum(pre.values()), "decode": dec, "prefill": pre}
+    n = c.extra.get("concurrency", 1)
+    raw = {"decode_tok_s": 1 / (n * sum(dec.values())), "ttft_s": sum(pre.values()), "decode": dec, "prefill": pre}
     dec_c, pre_c = _calibrated(dec, pre, profile)
-    tok_s, ttft = 1 / sum(dec_c.values()), sum(pre_c.values())
+    tok_s, ttft = 1 / (n * sum(dec_c.values())), sum(pre_c.values())      # per stream; n streams at once
+    c.extra["itl_s"] = 1 / tok_s
+    if n > 1:
+        c.extra["aggregate_tok_s"] = n * tok_s
+        notes.append(f"{n} streams share each decode step: aggregate {n * tok_s:.2f} tok/s, each stream {tok_s:.2f} "
+                     "tok/s; TTFT is one request's alone")
+    if wl.itl_budget_s is not None and 1 / tok_s > wl.itl_budget_s:
+        why.append(f"inter-token latency {1 / tok_s:.3f} s per stream at concurrency {n} exceeds the budget {wl.itl_budget_s} s")
     if wl.ttft_budget_s is not None and ttft > wl.ttft_budget_s:
         notes.append(f"TTFT {ttft:.1f} s is over the budget {wl.ttft_budget_s} s")
     terms = {**{f"decode_{k}_s": v for k, v in dec_c.items()}, **{f"prefill_{k}_s": v for k, v in pre_c.items()},
-             "hit_rate": c.hit, "nvme_share": mem["nvme_share"], "cpu_moe_gbs": f.cpu, **c.extra}
+             "hit_rate": c.hit, **shares, "cpu_moe_gbs": f.cpu, **c.extra}
     return Prediction(tok_s, ttft, not why, why, mem, terms, notes, c.sources, raw)
+
+
+def objective(pred: Prediction) -> float:
+    """What the search maximizes: aggregate tok/s over the workload's streams (one stream: its tok/s)."""
+    return pred.terms.get("aggregate_tok_s", pred.decode_tok_s)

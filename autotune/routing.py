@@ -17,7 +17,8 @@ puts every miss (evicting the least recent); with `cpu` nothing is ever put (the
     interpolated between them.
 Only decode calls are counted (prefill calls move the cache, as they do in the runtime).
 Union for c tokens: the mean over layers and windows of |experts of c consecutive tokens| (decode
-tokens for c <= the decode tokens traced; else the prompt's tokens).
+tokens for c <= the decode tokens traced; else the prompt's tokens); for c concurrent sequences, c
+decode tokens drawn at random positions (`union_independent`).
 Without a trace: the uniform prior (independent, uniform routing): h = S / (L E) and
 union(c) = E (1 - (1 - K/E)^c), flagged `assumed`.
 """
@@ -126,6 +127,26 @@ def unions(trace) -> dict:
     return out
 
 
+def unions_independent(trace, samples: int = 200, seed: int = 0) -> dict:
+    """{c: mean distinct experts per layer over c decode tokens drawn at random positions}: c concurrent
+    sequences' tokens share less than c consecutive tokens of one sequence."""
+    rng = np.random.default_rng(seed)
+    per_layer: dict = {}
+    for layer, ph, ids in trace.calls:
+        if ph == "decode":
+            per_layer.setdefault(layer, []).append(np.asarray(ids))
+    out = {}
+    for c in UNIONS:
+        vals = []
+        for parts in per_layer.values():
+            rows = np.concatenate(parts)
+            if len(rows) >= c:
+                vals += [len(np.unique(rows[rng.choice(len(rows), c, replace=False)])) for _ in range(max(1, samples // len(per_layer)))]
+        if vals:
+            out[c] = float(np.mean(vals))
+    return out
+
+
 def curve(trace) -> dict:
     """The profile's `routing` entry: hit rates on a slot grid for LRU and static, and the unions."""
     dist, rank = stack_distances(trace)
@@ -139,6 +160,7 @@ def curve(trace) -> dict:
             "hybrid_slots": grid[::max(1, len(grid) // 12)] + ([grid[-1]] if (len(grid) - 1) % max(1, len(grid) // 12) else []),
             "hybrid_fractions": list(HYBRID_FRACTIONS),
             "union": {str(c): u for c, u in unions(trace).items()},
+            "union_independent": {str(c): u for c, u in unions_independent(trace).items()},
             "hybrid_hit": None,
             "note": "from a routing trace recorded through the runtime on this checkpoint (autotune/routing.py)"}
     out["hybrid_hit"] = [[simulate(trace, S, "hybrid", f) for S in out["hybrid_slots"]] for f in HYBRID_FRACTIONS]
@@ -169,12 +191,14 @@ class Routing:
         at_f = [float(np.interp(slots, hs, row)) for row in grid]          # replayed at a grid of (S, f)
         return float(np.interp(fetch_fraction, fs, at_f))
 
-    def union(self, c: float) -> float:
-        """Expected distinct experts per layer for c tokens (c >= 1)."""
+    def union(self, c: float, independent: bool = False) -> float:
+        """Expected distinct experts per layer for c tokens (c >= 1): consecutive tokens of one sequence,
+        or (independent) c tokens of different sequences."""
         uniform = self.E * (1 - (1 - self.K / self.E) ** c)
-        if self.entry is None or c <= 1:
+        key = "union_independent" if independent else "union"
+        if self.entry is None or c <= 1 or not self.entry.get(key):
             return uniform if c > 1 else float(self.K)
-        pts = sorted((int(k), v) for k, v in self.entry["union"].items())
+        pts = sorted((int(k), v) for k, v in self.entry[key].items())
         if c > pts[-1][0]:          # beyond the trace: the uniform law's remaining growth, from the last point
             return min(float(self.E), pts[-1][1] + uniform - self.E * (1 - (1 - self.K / self.E) ** pts[-1][0]))
         xs, ys = zip(*pts)

@@ -18,6 +18,7 @@ import math
 import optuna
 
 from autotune.costmodel import OS_HEADROOM, MissingFigure, Prediction, predict
+from autotune.costmodel import objective as score
 from runtime.budget import host_bytes
 from runtime.checkpoint.footprint import Footprint
 from runtime.plan import Plan
@@ -52,7 +53,8 @@ def study_name(profile: dict, fp: Footprint, wl: Workload, vram_budget_gib, allo
     """One study per host x figures x calibration x model code x geometry x workload x budgets: a new
     profile of the same host, a new calibration or a changed cost model starts a fresh study."""
     key = json.dumps([profile["host"]["hard"], profile["measurements"], profile.get("calibration"), model_version(),
-                      fp.geometry_hash, wl.prompt_tokens, wl.max_tokens, wl.ttft_budget_s, vram_budget_gib, allow_inexact],
+                      fp.geometry_hash, wl.prompt_tokens, wl.max_tokens, wl.ttft_budget_s, vram_budget_gib, allow_inexact]
+                     + ([wl.concurrency, wl.itl_budget_s] if wl.concurrency > 1 or wl.itl_budget_s else []),
                      sort_keys=True, default=str)
     return f"dsv41-{profile['host'].get('name', 'host')}-{fp.model}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
@@ -84,6 +86,9 @@ def suggest_plan(trial: optuna.Trial, profile: dict, fp: Footprint, wl: Workload
         draft_length=trial.suggest_int("draft_length", 1, 5),
         geometry_hash=fp.geometry_hash,
     )
+    if wl.concurrency > 1:                     # continuous batching: streams per step and the step's tokens
+        kw["max_num_seqs"] = 1 if kw["dspark"] else trial.suggest_categorical("max_num_seqs", [1, 2, 4, 8, 16, 32])
+        kw["max_batched_tokens"] = trial.suggest_categorical("max_batched_tokens", [0, 256, 1024, 4096])
     if kw["prefill_moe_path"] == "device":     # its staging buffer, in whole experts (MiB rounded up)
         n = trial.suggest_categorical("prefill_buffer_experts", [1, 4, 16, 64])
         kw["prefill_buffer_mib"] = -(-n * fp.expert_bytes // (1 << 20))
@@ -134,7 +139,7 @@ def search(profile: dict, fp: Footprint, wl: Workload, n_trials: int = 2000, sto
             trial.set_user_attr("why", [w.split(" (")[0] for w in pred.why])
         if progress:
             progress(trial.number - done + 1, n_trials)
-        return pred.decode_tok_s, pred.ttft_s
+        return score(pred), pred.ttft_s
 
     saved = done
     try:                      # chunks: a SIGKILL loses at most one chunk; Ctrl-C (KeyboardInterrupt) none
@@ -172,9 +177,9 @@ def ranked(study, profile, fp, wl, allow_inexact=False):
     budget = wl.ttft_budget_s
     within = [r for r in out if budget is None or r[1].ttft_s <= budget]
     pool = within or out
-    pool.sort(key=lambda r: (-r[1].decode_tok_s, r[1].ttft_s))
+    pool.sort(key=lambda r: (-score(r[1]), r[1].ttft_s))
     rest = [r for r in out if r not in pool]
-    rest.sort(key=lambda r: (-r[1].decode_tok_s, r[1].ttft_s))
+    rest.sort(key=lambda r: (-score(r[1]), r[1].ttft_s))
     return pool + rest
 
 

@@ -104,6 +104,17 @@ def nvme_fetch_bytes(plan: Plan, fp: Footprint, T: int) -> int:
     return n * fp.expert_bytes * (2 if plan.expert_nvme_path == "nvme_direct" else 1)
 
 
+def step_tokens(plan: Plan) -> int:
+    """The most tokens one forward runs: a prefill chunk, a DSpark verify pass, or a continuous-batching
+    step (runtime/scheduler.py: the step's token budget, and at least one token per running sequence)."""
+    return max(plan.prefill_chunk, plan.max_batched_tokens, plan.max_num_seqs, spare(plan) + 1)
+
+
+def kv_states_bytes(plan: Plan, fp: Footprint) -> int:
+    """The KV states of every sequence the plan serves at once, each at max_context."""
+    return plan.max_num_seqs * kv_state_bytes(fp, plan.max_context, spare(plan))
+
+
 def _forward_terms(plan: Plan, fp: Footprint) -> dict:
     """The largest forward's temporaries (T = the prefill chunk, or a DSpark verify pass), by kind:
     residual  the residual stream, its norms and projections (8 [T, max(H, Hq C)] floats) and the
@@ -113,7 +124,7 @@ def _forward_terms(plan: Plan, fp: Footprint) -> dict:
     logits    [T, V] floats
     io        the NVMe tier's fetched experts, the 4 KiB block each Engram row read (nvme_direct)
     Attention, MoE and logits never overlap (one is freed before the next starts)."""
-    T = max(plan.prefill_chunk, spare(plan) + 1)
+    T = step_tokens(plan)
     width = max(fp.hidden_size, fp.num_attention_heads * fp.kv_lora_rank, fp.q_lora_rank)
     engram_reads = (T * fp.engram_bytes_per_token // fp.engram_row_bytes * IO_BLOCK
                     if plan.engram_placement == "nvme_direct" and fp.engram_row_bytes else 0)
@@ -137,9 +148,9 @@ def transient_bytes(plan: Plan, fp: Footprint, where: str = "cpu") -> int:
 
 
 def sequence_bytes(plan: Plan, fp: Footprint, where: str = "cpu") -> int:
-    """Bytes one sequence adds to the tier that runs attention: its state at max_context and the
-    largest forward's temporaries there."""
-    return kv_state_bytes(fp, plan.max_context, spare(plan)) + transient_bytes(plan, fp, where)
+    """Bytes the served sequences add to the tier that runs attention: their states at max_context and
+    the largest forward's temporaries there."""
+    return kv_states_bytes(plan, fp) + transient_bytes(plan, fp, where)
 
 
 def device_bytes(plan: Plan, fp: Footprint) -> int:
@@ -205,14 +216,14 @@ def breakdown(plan: Plan, fp: Footprint, on_cpu: bool) -> dict:
     if on_cpu:
         host.update({"dense, shared experts, embeddings (as held)": dense_host_bytes(fp),
                      "drafter dense": fp.drafter_dense_bytes,
-                     "KV state at max_context": kv_state_bytes(fp, plan.max_context, spare(plan)),
+                     "KV states at max_context (max_num_seqs)": kv_states_bytes(plan, fp),
                      "largest forward's temporaries": transient_bytes(plan, fp, "cpu")})
         return {"host": host, "device": {}}
     host.update({"shared experts": fp.bytes_by_class["shared_expert"],
                  "forward temporaries (CPU share)": transient_bytes(plan, fp, "host")})
     device = {"dense (fp8 as stored) + LM head, embedding table": dense_host_bytes(fp) - fp.bytes_by_class["shared_expert"],
               "drafter dense": fp.drafter_dense_bytes,
-              "KV state at max_context": kv_state_bytes(fp, plan.max_context, spare(plan)),
+              "KV states at max_context (max_num_seqs)": kv_states_bytes(plan, fp),
               "largest forward's temporaries": transient_bytes(plan, fp, "device"),
               "slot cache": plan.slot_cache_experts * fp.expert_bytes,
               "prefill staging buffer": staging_bytes(plan, fp)}

@@ -43,6 +43,8 @@ class Plan:
     engram_scales_in_ram: bool = True     # keep the 8 B/row scales resident: one read per row instead of two
     dspark: bool = False                  # speculative decoding with the DSpark drafter
     draft_length: int = 2                 # draft tokens per step when dspark is on
+    max_num_seqs: int = 1                 # sequences served together (continuous batching, runtime/scheduler.py)
+    max_batched_tokens: int = 0           # tokens per step (decode tokens + prompt chunks); 0 = prefill_chunk
     geometry_hash: str = ""               # the model geometry this plan was made for ("" = unbound)
 
     def __post_init__(self):
@@ -58,7 +60,11 @@ class Plan:
         for name in ("slot_cache_experts", "cpu_threads", "prefill_buffer_mib", "engram_row_cache_mib"):
             if getattr(self, name) < 0:
                 bad(name, f"must be >= 0, got {getattr(self, name)}")
-        for name in ("prefill_chunk", "max_context", "engram_io_depth"):
+        if self.max_batched_tokens < 0:
+            bad("max_batched_tokens", f"must be >= 0 (0: the prefill chunk), got {self.max_batched_tokens}")
+        if self.dspark and self.max_num_seqs > 1:
+            bad("max_num_seqs", f"must be 1 with dspark on (DSpark plans serve one sequence at a time), got {self.max_num_seqs}")
+        for name in ("prefill_chunk", "max_context", "engram_io_depth", "max_num_seqs"):
             if getattr(self, name) < 1:
                 bad(name, f"must be >= 1, got {getattr(self, name)}")
         if self.dspark and not 1 <= self.draft_length <= 16:

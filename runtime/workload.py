@@ -17,14 +17,17 @@ from runtime.tokenizer import corpus
 
 @dataclass(frozen=True)
 class Workload:
-    """What a plan is judged on: one request of `prompt_tokens` in, `max_tokens` out."""
+    """What a plan is judged on: requests of `prompt_tokens` in, `max_tokens` out, `concurrency` of them
+    streaming at once (each stream's inter-token latency within `itl_budget_s` when given)."""
     prompt_tokens: int = 1024
     max_tokens: int = 64
     ttft_budget_s: float | None = None
+    concurrency: int = 1
+    itl_budget_s: float | None = None
 
     def __post_init__(self):
-        if self.prompt_tokens < 1 or self.max_tokens < 1:
-            raise ValueError(f"workload needs prompt_tokens >= 1 and max_tokens >= 1, got {self}")
+        if self.prompt_tokens < 1 or self.max_tokens < 1 or self.concurrency < 1:
+            raise ValueError(f"workload needs prompt_tokens, max_tokens and concurrency >= 1, got {self}")
 
 
 def make_prompt(tok: Tokenizer, n_tokens: int, seed: int = 0) -> list[int]:

@@ -54,6 +54,8 @@ def preflight(args, warn=lambda m: print(f"dsv41-serve: warning: {m}", file=sys.
         warn(f"--force: serving despite {h}")
     if hard:
         plan = plan.replace(geometry_hash=fp.geometry_hash)
+    if getattr(args, "max_num_seqs", None):                   # admission below counts every sequence's KV
+        plan = plan.replace(max_num_seqs=args.max_num_seqs)
     for s in soft:
         warn(f"profile made by other software: {s}")
     check_plan(plan, fp)
@@ -82,7 +84,7 @@ def build_app(args):
 def cmd_serve(args) -> int:
     import uvicorn
     app, engine, plan, name = build_app(args)
-    print(f"dsv41-serve: {name} at http://{args.host}:{args.port}/v1 (plan: {plan.moe_strategy}, "
+    print(f"dsv41-serve: {name} at http://{args.host}:{args.port}/v1 (plan: {plan.moe_strategy}, {plan.max_num_seqs} seqs, "
           f"{plan.slot_cache_experts} slots, Engram {plan.engram_placement}, DSpark {'d=%d' % plan.draft_length if plan.dspark else 'off'})",
           file=sys.stderr, flush=True)
     try:
@@ -99,7 +101,8 @@ def build_parser():
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--force", action="store_true", help="serve a profile made for another host or model (warns)")
-    p.add_argument("--max-queue", type=int, default=16, help="requests waiting beyond the running one; more get 429")
+    p.add_argument("--max-queue", type=int, default=16, help="requests waiting beyond the running ones; more get 429")
+    p.add_argument("--max-num-seqs", type=int, help="sequences served together (continuous batching; default: the plan's)")
     p.add_argument("--served-model-name", help="the model id clients send (default: the config's name)")
     p.add_argument("--chat-template", help="a Jinja2 chat template file (default: the documented stand-in)")
     p.add_argument("--log-level", default="warning")

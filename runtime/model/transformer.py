@@ -55,6 +55,15 @@ def rope(x, pos, theta):
 
 
 @dataclass
+class Seg:
+    """One sequence's tokens in a batched forward: rows a..b of the step's tensors, T tokens given."""
+    st: SeqState
+    a: int
+    b: int
+    T: int
+
+
+@dataclass
 class Phases:
     seconds: dict = field(default_factory=lambda: defaultdict(float))
 
@@ -92,39 +101,60 @@ class Model:
     def forward(self, st: SeqState, tokens: list[int], decoder_start: int = 0) -> torch.Tensor | None:
         """Run `tokens` (the next positions of the sequence) through the model. The decoder runs only
         for positions >= decoder_start. -> logits [T', V] of the positions the decoder ran, or None."""
+        return self.forward_many([st], [tokens], decoder_start)[0]
+
+    def forward_many(self, states: list[SeqState], token_lists: list[list[int]], decoder_start: int = 0) -> list:
+        """Several sequences' next tokens in one pass (continuous batching): the linears, the router and
+        the experts run over all their tokens at once (each MoE layer reads the union of the step's
+        experts once), attention runs per sequence over its own state. One sequence is the plain
+        forward (decoder_start, bounded replay, only then). -> logits [T_s', V] per sequence."""
         c = self.cfg
-        T = len(tokens)
-        p0 = st.pos
-        if p0 + T > st.max_context:
-            raise ValueError(f"sequence of {p0 + T} tokens exceeds the plan's max_context {st.max_context}")
-        st.tokens.extend(tokens)
-        pos = torch.arange(p0, p0 + T, device=self.device)
-        tok = torch.tensor(tokens, device=self.device)
+        if decoder_start and len(states) > 1:
+            raise ValueError("decoder_start (bounded replay) runs one sequence at a time")
+        segs, pos, toks, row_parts, n0 = [], [], [], [], 0
+        for st, tokens in zip(states, token_lists):
+            T, p0 = len(tokens), st.pos
+            if p0 + T > st.max_context:
+                raise ValueError(f"sequence of {p0 + T} tokens exceeds the plan's max_context {st.max_context}")
+            st.tokens.extend(tokens)
+            pos.append(torch.arange(p0, p0 + T, device=self.device))
+            toks += tokens
+            row_parts.append(self._engram_row_ids(st, p0, T))
+            segs.append(Seg(st, n0, n0 + T, T))
+            n0 += T
+        pos, tok = torch.cat(pos), torch.tensor(toks, device=self.device)
         h = self.w["embed.weight"][tok].to(self.dtype)
-        rows = self._engram_rows(st, p0, T)
+        rows = {layer: np.concatenate([r[layer] for r in row_parts]) for layer in row_parts[0]}
+        if rows:
+            self.engram.prefetch(rows)     # every read issued now: they overlap the layers before each Engram layer
         enc = c.num_encoder_layers
-        sel: dict = {}
+        sel: list = [{} for _ in segs]
         for i in range(c.num_hidden_layers):
-            if i == enc:                       # decoder global state from the encoder's final hidden states
-                self._decoder_sources(st, h, pos)
-                keep = (pos >= decoder_start).nonzero().flatten()
-                if len(keep) == 0:
-                    st.pos += T
-                    return None
-                h, pos, tok = h[keep], pos[keep], tok[keep]
-                rows = {l: r[keep.cpu().numpy()] for l, r in rows.items()}
-                sel = {x: (idx[keep], ok[keep]) for x, (idx, ok) in sel.items()}
-            h = self._layer(st, i, h, pos, tok, rows, sel)
+            if i == enc:                   # decoder global state from the encoder's final hidden states
+                for sg in segs:
+                    self._decoder_sources(sg.st, h[sg.a:sg.b], pos[sg.a:sg.b])
+                if decoder_start:
+                    keep = (pos >= decoder_start).nonzero().flatten()
+                    if len(keep) == 0:
+                        segs[0].st.pos += segs[0].T
+                        return [None]
+                    h, pos, tok = h[keep], pos[keep], tok[keep]
+                    rows = {l: r[keep.cpu().numpy()] for l, r in rows.items()}
+                    sel[0] = {x: (idx[keep], ok[keep]) for x, (idx, ok) in sel[0].items()}
+                    segs[0].a, segs[0].b = 0, len(keep)
+            h = self._layer(segs, i, h, pos, tok, rows, sel)
             if i in c.dspark_target_layer_ids:
-                st.target_hidden[i] = h
-        st.pos += T
-        st.final_hidden = h
+                for sg in segs:
+                    sg.st.target_hidden[i] = h[sg.a:sg.b]
+        for sg in segs:
+            sg.st.pos += sg.T
+            sg.st.final_hidden = h[sg.a:sg.b]
         t0 = time.perf_counter()
         logits = rmsnorm(h, self.w["norm.weight"], c.rms_norm_eps) @ self.w["head.weight"].T
         self.phases.add("dense", t0)
-        return logits
+        return [logits[sg.a:sg.b] for sg in segs]
 
-    def _layer(self, st, i, h, pos, tok, rows, sel):
+    def _layer(self, segs, i, h, pos, tok, rows, sel):
         c, w = self.cfg, self.w
         if i in c.engram_layer_ids:
             h = self._engram(i, h, rows[i])               # its wait is `engram_wait`, its linears `dense`
@@ -135,16 +165,21 @@ class Model:
         cw = rmsnorm(self.L(f"layers.{i}.attn.wkv", a), w[f"layers.{i}.attn.kv_norm.weight"], c.rms_norm_eps)
         k_new = rope(cw, pos, c.rope_theta)                                  # [T, C] window keys, values cw
         if i in c.kv_source_layers and i < c.num_encoder_layers:
-            self._write_source(st, i, a, pos)
+            for sg in segs:
+                self._write_source(sg.st, i, a[sg.a:sg.b], pos[sg.a:sg.b])
         t_att = time.perf_counter()            # attention: the indexer, the selected rows, the window
-        glob = None
-        if c.layer_mode(i) != "window":
-            x = c.index_source_of(i)
-            if x == i:
-                sel[i] = self._select(st, i, a, ql, pos)
-            glob = self._selected_rows(st.sources[c.kv_source_of(i)], *sel[x])
-        out = attend(q, pos, k_new, cw, st.windows[i], c.window_size, glob)
-        st.windows[i].write(pos, k_new, cw)
+        outs = []
+        for sg, s_sel in zip(segs, sel):       # per sequence, over its own state
+            st, r = sg.st, slice(sg.a, sg.b)
+            glob = None
+            if c.layer_mode(i) != "window":
+                x = c.index_source_of(i)
+                if x == i:
+                    s_sel[i] = self._select(st, i, a[r], ql[r], pos[r])
+                glob = self._selected_rows(st.sources[c.kv_source_of(i)], *s_sel[x])
+            outs.append(attend(q[r], pos[r], k_new[r], cw[r], st.windows[i], c.window_size, glob))
+            st.windows[i].write(pos[r], k_new[r], cw[r])
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         self.phases.add("attention", t_att)
         t_wo = time.perf_counter()
         h = h + self.L(f"layers.{i}.attn.wo", out.reshape(len(h), -1))
@@ -203,17 +238,14 @@ class Model:
         return y
 
     # ------------------------------------------------------------------ Engram
-    def _engram_rows(self, st, p0, T) -> dict:
+    def _engram_row_ids(self, st, p0, T) -> dict:
+        """{Engram layer: row ids [T, slots]} of positions p0.. of this sequence (hashed n-grams)."""
         c = self.cfg
         if not c.engram_layer_ids:
             return {}
         cids = self.cmap[np.asarray(st.tokens, dtype=np.int64)]
-        out = {}
-        for i, (primes, offsets, seeds) in self.engram_ranges.items():
-            out[i] = engram_rows(cids, p0, c.engram_compressed_vocab_size, c.engram_max_ngram_size,
-                                 c.engram_n_heads, primes, offsets, seeds)
-        self.engram.prefetch(out)          # every read issued now: they overlap the layers before each Engram layer
-        return out
+        return {i: engram_rows(cids, p0, c.engram_compressed_vocab_size, c.engram_max_ngram_size, c.engram_n_heads,
+                               primes, offsets, seeds) for i, (primes, offsets, seeds) in self.engram_ranges.items()}
 
     def _engram(self, i, h, row_ids):
         t0 = time.perf_counter()

@@ -363,7 +363,7 @@ def create_app(engine, tokenizer, template, model_id: str, info: dict, max_queue
     async def health():
         ok = worker.thread.is_alive()
         return JSONResponse({"status": "ok" if ok else "engine stopped", "model": model_id,
-                             "queued": worker.q.qsize(), "running": worker.running}, status_code=200 if ok else 503)
+                             "queued": worker.queued, "running": worker.running}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def prom():

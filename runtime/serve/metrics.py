@@ -71,10 +71,13 @@ class Metrics:
     def error(self, status: int) -> None:
         self._errors.labels(self.model, str(status)).inc()
 
-    def finished(self, result, lookups: tuple[int, int]) -> None:
-        """The engine's Result for a finished request; lookups = (hits, misses) in its decode steps."""
-        self._lookups.labels(self.model, "hit").inc(lookups[0])
-        self._lookups.labels(self.model, "miss").inc(lookups[1])
+    def lookups(self, hits: int, misses: int) -> None:
+        self._lookups.labels(self.model, "hit").inc(hits)
+        self._lookups.labels(self.model, "miss").inc(misses)
+
+    def finished(self, result) -> None:
+        """The engine's Result of a request served alone (DSpark plans)."""
+        self.lookups(*result.slot_lookups)
         self.engram_wait.inc(result.engram.get("wait_s", 0.0))
         if result.dspark:
             self.drafted.inc(result.dspark["drafted"])

@@ -105,3 +105,23 @@ def test_every_term_names_its_source_and_every_assumption_is_flagged(v4):
         if s.startswith("assumed") or "not measured" in s:
             assert any(n.startswith(f"{k}: ") for n in r.notes), k          # flagged in the output
     assert "published" in r.sources["moe"] and "assumed" in r.sources["routing"]
+
+
+def test_concurrency_shares_each_step_and_an_itl_budget_binds(v4):
+    """n streams on one step read the union of n independent tokens' experts: aggregate tok/s grows
+    with n but less than n-fold, each stream slows; the search honours an ITL budget."""
+    from autotune.search import search
+    h = host()
+    plan = Plan(max_context=8192, max_num_seqs=8)
+    one = predict(plan, h, v4, WL)
+    eight = predict(plan, h, v4, Workload(1024, 64, concurrency=8))
+    assert "aggregate_tok_s" not in one.terms and eight.terms["concurrency"] == 8
+    assert one.decode_tok_s < eight.terms["aggregate_tok_s"] < 8 * one.decode_tok_s
+    assert eight.decode_tok_s < one.decode_tok_s                          # per stream
+    assert eight.terms["itl_s"] == pytest.approx(1 / eight.decode_tok_s)
+    capped = predict(plan.replace(max_num_seqs=2), h, v4, Workload(1024, 64, concurrency=8))
+    assert capped.terms["concurrency"] == 2
+    tight = Workload(1024, 64, concurrency=8, itl_budget_s=1 / one.decode_tok_s * 1.5)
+    assert not predict(plan, h, v4, tight).feasible
+    _, results = search(h, v4, tight, n_trials=300)
+    assert results and all(r.feasible and r.terms["itl_s"] <= tight.itl_budget_s for _, r in results)

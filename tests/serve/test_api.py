@@ -222,3 +222,53 @@ def test_metrics_show_the_plans_bytes_from_the_one_accounting(server, tiny_dir):
     assert _metric(server, 'dsv41:memory_bytes{model_name="tiny",source="plan",tier="host"}') == planned["anon"]
     assert _metric(server, 'dsv41:memory_bytes{model_name="tiny",source="plan",tier="mapped"}') == planned["file"]
     assert _metric(server, 'dsv41:memory_bytes{model_name="tiny",source="measured",tier="host"}') > planned["anon"]
+
+
+@pytest.fixture(scope="module")
+def batching_server(tiny_dir, tmp_path_factory, host_profile):
+    import subprocess
+    import sys
+    from tests.conftest import free_port
+    prof = host_profile(tiny_dir, tmp_path_factory.mktemp("batch") / "host.json", max_context=512)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli.serve", "--profile", str(prof), "--checkpoint", str(tiny_dir),
+                             "--port", str(port), "--max-num-seqs", "4"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None and time.time() < deadline, "the batching server did not come up"
+        time.sleep(0.5)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def test_concurrent_streams_share_steps_and_each_gets_its_own_output(batching_server, tiny_dir):
+    """4 greedy streams at once on a --max-num-seqs 4 server: they run together (health shows it) and
+    each returns the tokens its prompt gives alone."""
+    url = batching_server
+    prompts = ["Return a list of", "The module provides", "Parse the", "If the value"]
+    alone = {}
+    for p in prompts:
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": 24, "temperature": 0,
+                                                      "ignore_eos": True}, timeout=60).json()
+        alone[p] = r["choices"][0]["text"]
+    together, peak = {}, [0]
+
+    def one(p):
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": 24, "temperature": 0,
+                                                      "ignore_eos": True}, timeout=120).json()
+        together[p] = r["choices"][0]["text"]
+    threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        peak[0] = max(peak[0], _health(url)["running"])
+        time.sleep(0.02)
+    assert together == alone and peak[0] >= 2
+    assert _metric(url, 'dsv41:num_requests_running{model_name="tiny"}') == 0

@@ -1,0 +1,139 @@
+"""Continuous batching (runtime/scheduler.py): sequences sharing forward passes decode as they would
+alone, the step's token budget interleaves prefill with decode, admission counts every sequence's
+memory, and a batched step reads the union of its sequences' experts once."""
+import numpy as np
+import pytest
+import torch
+
+from runtime import budget
+from runtime.budget import DoesNotFit, check_plan
+from runtime.checkpoint.reader import Checkpoint
+from runtime.engine import Engine
+from runtime.plan import Plan, PlanError
+from runtime.scheduler import Scheduler, Sequence
+
+TOL = 1e-4                       # the runtime's tolerance (tests/runtime/test_runtime.py)
+BATCH = Plan(max_num_seqs=3, max_batched_tokens=24, prefill_chunk=16, cpu_threads=1, max_context=256)
+
+
+@pytest.fixture(scope="module")
+def ck(tiny_dir):
+    return Checkpoint(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny_footprint(ck):
+    return ck.footprint()
+
+
+def alone(ck, plan, prompt, n):
+    e = Engine(ck, plan.replace(max_num_seqs=1))
+    try:
+        return e.generate(prompt, n, keep_logits=True)
+    finally:
+        e.close()
+
+
+def run(sched, arrivals, cancel_at=None):
+    """Drive the scheduler: arrivals = {step: [Sequence]}; cancel_at = (step, Sequence). -> steps run."""
+    step = 0
+    while sched.busy or any(k >= step for k in arrivals):
+        for s in arrivals.get(step, []):
+            sched.add(s)
+        if cancel_at and cancel_at[0] == step:
+            sched.cancel(cancel_at[1])
+        sched.step()
+        step += 1
+    return step
+
+
+def test_each_sequence_decodes_as_it_would_alone(ck):
+    """Mixed prompt lengths, arrivals at different steps, one cancelled mid-way: each finished
+    sequence's logits match its run alone within the runtime's tolerance at every step, and its
+    greedy tokens match up to the first step whose top-2 margin is inside 20x that tolerance."""
+    rng = np.random.default_rng(3)
+    lens, outs = (5, 40, 23, 9, 61), (12, 6, 16, 9, 4)
+    seqs = [Sequence(rng.integers(1, 500, n).tolist(), m, keep_logits=[]) for n, m in zip(lens, outs)]
+    e = Engine(ck, BATCH)
+    try:
+        run(Scheduler(e), {0: seqs[:2], 1: seqs[2:3], 3: seqs[3:]}, cancel_at=(5, seqs[3]))
+    finally:
+        e.close()
+    for s in seqs:
+        if s is seqs[3]:
+            assert s.finished and len(s.tokens) < s.max_tokens           # cancelled: dropped early
+            continue
+        ref = alone(ck, BATCH, s.prompt, s.max_tokens)
+        assert len(s.tokens) == len(ref.tokens)
+        for k, (a, b) in enumerate(zip(s.keep_logits, ref.logits)):
+            assert (a.double() - b.double()).abs().max() < TOL, (len(s.prompt), k)
+            top = torch.topk(b, 2).values
+            if float(top[0] - top[1]) <= 20 * TOL:
+                break
+            assert s.tokens[k] == ref.tokens[k]
+
+
+def test_the_step_budget_interleaves_a_long_prefill_with_the_streams(ck):
+    e = Engine(ck, BATCH)
+    try:
+        sched = Scheduler(e)
+        short = [sched.add(Sequence([7, 8, 9], 40)) for _ in range(2)]
+        sched.step()                                                      # both prefilled in one step
+        assert all(s.decoding and len(s.tokens) == 1 for s in short)
+        long = sched.add(Sequence(list(range(1, 101)), 2))
+        steps = 0
+        while not long.decoding:
+            before = [len(s.tokens) for s in short]
+            sched.step()
+            steps += 1
+            assert [len(s.tokens) for s in short] == [b + 1 for b in before]    # the streams never stall
+        assert steps >= 100 // (BATCH.max_batched_tokens - 2)             # its prompt took several steps
+    finally:
+        e.close()
+
+
+def test_waiting_requests_wait_and_one_that_can_never_fit_is_refused(ck):
+    e = Engine(ck, BATCH.replace(max_num_seqs=2))
+    try:
+        sched = Scheduler(e)
+        for _ in range(3):
+            sched.add(Sequence([5, 6], 3))
+        sched.step()
+        assert len(sched.running) == 2 and len(sched.waiting) == 1
+        with pytest.raises(DoesNotFit, match="max_context 256"):
+            sched.add(Sequence([1] * 200, 100))
+        while sched.busy:
+            sched.step()
+    finally:
+        e.close()
+
+
+def test_memory_counts_every_sequence_and_admission_refuses_too_many(tiny_footprint):
+    fp, one = tiny_footprint, BATCH.replace(max_num_seqs=1)
+    kv = budget.kv_state_bytes(fp, 256, 0)
+    assert budget.kv_states_bytes(BATCH, fp) == 3 * kv
+    assert budget.host_bytes(BATCH, fp, True) - budget.host_bytes(one, fp, True) >= 2 * kv
+    wide = BATCH.replace(max_batched_tokens=64)
+    assert budget.step_tokens(wide) == 64 and budget.transient_bytes(wide, fp) > budget.transient_bytes(BATCH, fp)
+    need = budget.host_bytes(BATCH, fp, True)
+    check_plan(BATCH, fp, available=need)
+    with pytest.raises(DoesNotFit):
+        check_plan(BATCH.replace(max_num_seqs=4), fp, available=need)
+    with pytest.raises(PlanError, match="max_num_seqs"):
+        Plan(dspark=True, max_num_seqs=2)
+
+
+def test_a_batched_step_reads_the_union_of_its_sequences_experts_once(ck):
+    e = Engine(ck, BATCH.replace(max_num_seqs=4))
+    try:
+        sched = Scheduler(e)
+        for p in ([3, 4], [9, 10, 11], [100], [42, 43]):
+            sched.add(Sequence(p, 8))
+        sched.step()
+        e.experts.experts_read = 0
+        sched.step()                                                      # one decode token for each of 4
+        union = e.experts.experts_read
+        per_layer = ck.config.num_experts_per_tok * ck.config.num_hidden_layers
+        assert per_layer < union < 4 * per_layer     # more than one token's, fewer than four separate reads
+    finally:
+        e.close()
