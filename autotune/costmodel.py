@@ -10,7 +10,8 @@ prompt. Every source appears in `Prediction.sources`; assumptions are in `notes`
   concurrency      n = min(workload concurrency, max_num_seqs) streams share each step: union(n) experts
                    of independent tokens per layer, attention per sequence; decode_tok_s is per stream,
                    terms.aggregate_tok_s = n x that, terms.itl_s the step; an ITL budget is a constraint
-  DSpark           tokens per step a = 1 + p + ... + p^d, p measured by validation (else 0.7, assumed);
+  DSpark           tokens per step a = 1 + p + ... + p^d, p measured by validation or by the profiler on
+                   this checkpoint (else 0.7, assumed);
                    verify reads union(d+1) experts per layer (the routing curve) and d+1 tokens' Engram rows
   page cache       RAM left after the plan (and the OS headroom) serves the nvme_mmap tiers' reads at DRAM
                    speed in proportion to its share of their bytes
@@ -164,12 +165,15 @@ def decode_terms(c: _Ctx) -> dict:
         c.extra = {"concurrency": n}
         return {k: v / n for k, v in step.items()}
     measured_p = (c.profile.get("calibration") or {}).get("dspark_p_accept")
+    probed = c.profile["measurements"].get("dspark_p_accept") or {}
+    if measured_p is None and probed.get("geometry") == fp.geometry_hash and "median" in probed:
+        measured_p = probed["median"]                    # the profiler's, through the runtime on this checkpoint
     d, p = plan.draft_length, DSPARK_P_ACCEPT if measured_p is None else measured_p
     a = T.accepted_per_step(p, d)
     step = c.forward(d + 1, ctx, n_experts=f.routing.union(d + 1))
     step["draft"] = d * T.draft(f, fp, _head_bytes(fp, f.gpu))
     c.notes.append(f"DSpark acceptance p={p:.2f} per token is " + ("assumed until measured" if measured_p is None else
-                                                                  "measured by validation on this host"))
+                                                                  "measured on this checkpoint"))
     c.extra = {"dspark_accepted": a, "dspark_union_experts": f.routing.union(d + 1)}
     return {k: v / a for k, v in step.items()}
 

@@ -16,7 +16,7 @@ import numpy as np
 from autotune.routing import Routing
 from runtime.checkpoint.footprint import Footprint
 from runtime.plan import Plan
-from runtime.profile import cpu_moe_figure, figure
+from runtime.profile import cpu_moe_figure, cpu_moe_flops, figure
 
 STRATEGY_KEYS = {"cpu": "moe_fixed_us.cpu", "offload": "moe_fixed_us.offload", "hybrid": "moe_fixed_us.hybrid"}
 
@@ -61,7 +61,7 @@ class HostFigures:
     gpu: bool
     dram: float                       # GB/s
     cpu: float                        # CPU-MoE GB/s at this geometry and thread count
-    cpu_flops: float                  # FLOP/s
+    cpu_flops: float                  # FLOP/s (bf16 matmul: the dense path's ceiling without its own figure)
     fixed: float                      # s per MoE layer call, this plan's strategy
     fixed_cpu: float                  # s per layer call of the shared expert (the CPU path)
     gather: float | None = None       # GB/s
@@ -77,6 +77,7 @@ class HostFigures:
     shared_call: float | None = None  # s per layer call of the shared expert at batch 1, this geometry
     engram_rows: float = 0.0          # s per Engram layer per forward assembling rows (page cache / RAM), this geometry
     other_per_layer: float | None = None             # s per layer per forward, outside every phase
+    moe_flops: object = None          # tokens -> the CPU-MoE kernel's FLOP/s for a call that wide
     routing: Routing | None = None
     sources: dict = field(default_factory=dict)      # term input -> source line
     notes: list = field(default_factory=list)
@@ -133,6 +134,10 @@ def gather_figures(plan: Plan, profile: dict, fp: Footprint) -> HostFigures:
                     fixed_cpu=fixed_us(profile, "cpu") * 1e-6, nvme_seq=figure(profile, "nvme_seq_read_gbs"))
     if note:
         f.notes.append(note)
+    def moe_flops(tokens: int) -> float:
+        v, _ = cpu_moe_flops(profile, fp.geometry, tokens, threads)
+        return v or f.cpu_flops
+    f.moe_flops = moe_flops
     if fp.expert_dtype != "fp4":
         f.notes.append(f"expert_dtype {fp.expert_dtype}: the dsv41 runtime runs ds_fp4 experts only, this plan needs another "
                        "engine (dsv41-tune export); its experts' bytes are this format's, read at the ds_fp4 kernel's and "

@@ -159,8 +159,8 @@ def _cpu_moe_sweep(cfg, cores: int, quick: bool, step) -> tuple[list, tuple | No
     geoms = {f"{cfg.hidden_size}x{cfg.moe_intermediate_size}": (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok)}
     for h, i, k in GEOMETRIES.values():
         geoms.setdefault(f"{h}x{i}", (h, i, k))
-    threads_sweep = [cores] if quick else sorted({1, max(1, cores // 2), cores})
-    widths = (1, 6) if quick else (1, 2, 4, 6, 64, 256)
+    threads_sweep = sorted({1, cores}) if quick else sorted({1, max(1, cores // 2), cores})
+    widths = (1, 6, 64) if quick else (1, 2, 4, 6, 64, 256)
     out, served = [], None
     for gname, (H, I, K) in geoms.items():
         step(f"CPU-MoE {gname}")
@@ -171,7 +171,7 @@ def _cpu_moe_sweep(cfg, cores: int, quick: bool, step) -> tuple[list, tuple | No
             continue
         for t in threads_sweep:
             for w in widths:
-                if w > 8 and t != cores:
+                if (w > 8 or quick and w > 1) and t != cores:
                     continue
                 r = cpu_moe(bank, w, t, top_k=K, repeats=6 if quick else 12, note=note)
                 out.append(_fig(r, geometry=gname, tokens=w, threads=t))
@@ -258,6 +258,11 @@ def run_profile(checkpoint, quick: bool = False, progress=None) -> dict:
     m["moe_dispatch_fixed_us"] = m["moe_fixed_us"]["cpu"]
     step("routing trace (runtime)")
     m["routing"] = _routing(ck, quick, cores)
+    step("DSpark acceptance (runtime)")
+    try:
+        m["dspark_p_accept"] = runtime_paths.dspark_acceptance(ck, quick, cores)
+    except (OSError, ValueError, RuntimeError) as e:
+        m["dspark_p_accept"] = _skipped(f"not measured: {e}")
     step("GPU")
     m.update(_gpu_figures(quick))
     step("PCIe")

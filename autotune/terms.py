@@ -17,6 +17,8 @@ Decode MoE per strategy (n distinct experts per layer, h hit rate, miss bytes B 
            (cpu_c, gather_c) the contended pair, their sum capped by DRAM read (autotune/figures.py)
   + hits on the device n L h e / dev_mem, + the NVMe tier q B / nvme_seq (the page cache's share of it
     at DRAM speed when read through nvme_mmap).
+Prefill MoE per chunk of n tokens: union(n) experts per layer read (the NVMe tier's share first), or
+the kernel's FLOP at its measured FLOP/s for that width (cpu_moe_gbs entries' GFLOP/s), the larger.
 """
 from __future__ import annotations
 
@@ -58,12 +60,13 @@ def moe(f: HostFigures, plan: Plan, fp: Footprint, n: float, hit: float, q_nvme:
 
 def shared(f: HostFigures, fp: Footprint, tokens: int) -> float:
     """The shared expert over `tokens` on the CPU kernel: one call per layer (as timed at this geometry
-    at batch 1 by the profiler, else its bytes at the CPU-MoE figure), FLOP-bound when wide."""
+    at batch 1 by the profiler, else its bytes at the CPU-MoE figure), FLOP-bound when wide (the
+    kernel's measured FLOP/s at that width)."""
     if not fp.bytes_by_class.get("shared_expert"):
         return 0.0
     flop = 2 * 3 * fp.hidden_size * fp.moe_intermediate_size * tokens * fp.num_layers
     once = fp.num_layers * f.shared_call if f.shared_call else fp.bytes_by_class["shared_expert"] / (f.cpu * 1e9)
-    return max(once, flop / f.cpu_flops)
+    return max(once, flop / f.moe_flops(tokens))
 
 
 def dense_params(fp: Footprint) -> float:
@@ -121,6 +124,16 @@ def draft(f: HostFigures, fp: Footprint, head_bytes: int) -> float:
     return fp.dspark_num_layers * 2 * f.fixed_cpu + moe_b / (f.cpu * 1e9) + dense_b / (bw * 1e9)
 
 
+def p_from_accepted(a: float, d: int) -> float:
+    """The per-token acceptance p whose geometric law gives `a` accepted drafts per step of d:
+    a = p + p^2 + ... + p^d, solved by bisection."""
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid ** i for i in range(1, d + 1)) < a else (lo, mid)
+    return min(lo, 0.99)
+
+
 def accepted_per_step(p: float, d: int) -> float:
     """Tokens per verify step under the geometric law: 1 + p + ... + p^d."""
     return (1 - p ** (d + 1)) / (1 - p) if p < 1 else d + 1.0
@@ -147,7 +160,7 @@ def prefill_moe(f: HostFigures, plan: Plan, fp: Footprint, tokens: int, layers: 
     read = nvme_read(f, plan, nbytes, q_nvme, page_share)
     if plan.prefill_moe_path == "device" and f.gpu:
         return read + max(nbytes / (f.h2d * 1e9), flop / f.dev_flops) + layers * f.fixed
-    return read + max(nbytes / (f.cpu * 1e9), flop / f.cpu_flops) + layers * f.fixed_cpu
+    return read + max(nbytes / (f.cpu * 1e9), flop / f.moe_flops(tokens)) + layers * f.fixed_cpu
 
 
 def chunks(tokens: int, chunk: int) -> list[tuple[int, int]]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 
-from autotune.terms import measured_terms
+from autotune.terms import measured_terms, p_from_accepted
 from runtime.engine import Engine
 from runtime.plan import Plan
 from runtime.workload import Workload
@@ -137,18 +137,11 @@ def pick(rows, ttft_budget, floor):
 
 def dspark_acceptance(rows) -> float | None:
     """The per-token acceptance p the cost model's geometric law needs, from the validated DSpark plans:
-    mean accepted drafts per step a = p + p^2 + ... + p^d, solved for p (bisection), median over
-    plans. None when no DSpark plan was validated."""
-    ps = []
-    for r in rows:
-        if r.get("dspark_mean_accepted"):
-            a, d = statistics.median(r["dspark_mean_accepted"]), r["plan"].draft_length
-            lo, hi = 0.0, 1.0
-            for _ in range(50):
-                mid = (lo + hi) / 2
-                lo, hi = (mid, hi) if sum(mid ** i for i in range(1, d + 1)) < a else (lo, mid)
-            ps.append(lo)
-    return min(statistics.median(ps), 0.99) if ps else None
+    mean accepted drafts per step a = p + p^2 + ... + p^d, solved for p, median over plans. None when
+    no DSpark plan was validated."""
+    ps = [p_from_accepted(statistics.median(r["dspark_mean_accepted"]), r["plan"].draft_length)
+          for r in rows if r.get("dspark_mean_accepted")]
+    return statistics.median(ps) if ps else None
 
 
 def calibration(rows) -> dict:

@@ -13,6 +13,8 @@ was not calibrated on, and the regret of the tuner's pick.
    measured interleaved in one run; regret = (best - pick) / best, two-sided (negative: the pick beat
    the grid), beside the noise floor of those repeats.
 The grid stops at --max-minutes less the time the tuner needs (what was measured is used).
+`--refit RESULT.json --profile HOST.json` recomputes step 3 from a saved run's grid with the current
+cost model (no new measurement): the loop for improving a term against one measured grid.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from autotune.costmodel import MissingFigure, predict  # noqa: E402
 from autotune.profiler import run_profile  # noqa: E402
 from autotune.search import suggest_plan  # noqa: E402
 from autotune.tune import tune  # noqa: E402
-from autotune.validate import calibration, measure_plans, noise_floor  # noqa: E402
+from autotune.validate import calibration, dspark_acceptance, measure_plans, noise_floor  # noqa: E402
 from runtime.checkpoint.reader import Checkpoint  # noqa: E402
 from runtime.plan import Plan  # noqa: E402
 from runtime.profile import load_profile, save_profile  # noqa: E402
@@ -72,6 +74,38 @@ def errors(rows, profile, fp, wl) -> dict:
     return {"decode": statistics.median(dec), "ttft": statistics.median(ttft), "plans": len(rows)}
 
 
+def fidelity(rows, prof, fp, wl) -> dict:
+    """Per-term calibration fitted on the even rows, errors on the odd ones, raw and calibrated."""
+    for r in rows:
+        r["predicted"] = predict(r["plan"], prof, fp, wl, allow_inexact=True).to_dict()
+    fit, held = rows[0::2], rows[1::2]
+    p = dspark_acceptance(fit)                     # the drafter's acceptance, as the tuner measures it
+    for r in fit if p is not None else []:
+        r["predicted"] = predict(r["plan"], {**prof, "calibration": {"dspark_p_accept": p}}, fp, wl, allow_inexact=True).to_dict()
+    cal = calibration(fit)
+    if p is not None:
+        cal["dspark_p_accept"] = p
+    return {"raw": errors(held, prof, fp, wl), "calibrated": errors(held, {**prof, "calibration": cal}, fp, wl),
+            "fit_raw": errors(fit, prof, fp, wl), "dspark_p_accept": p,
+            "factors": {k: round(v["factor"], 3) for k, v in cal["terms"].items()}}
+
+
+def refit(path, profile, checkpoint) -> dict:
+    d = json.loads(Path(path).read_text().strip().splitlines()[-1])
+    fp = Checkpoint(checkpoint).footprint()
+    wl = Workload(**d.get("workload", {"prompt_tokens": 96, "max_tokens": 8}))
+    rows = [{"plan": Plan.from_dict(r["plan"]), "decode_tok_s": r["decode_tok_s"], "ttft_s": r["ttft_s"], "terms": r["terms"],
+             **({"dspark_mean_accepted": r["dspark_mean_accepted"]} if r.get("dspark_mean_accepted") else {})} for r in d["grid"]]
+    f = fidelity(rows, load_profile(profile), fp, wl)
+    for r in rows:
+        p = r["plan"]
+        print(f"{p.moe_strategy} chunk {p.prefill_chunk:5d} {p.engram_placement:11s} dspark {p.dspark and p.draft_length} "
+              f"-> {r['decode_tok_s']:6.2f} tok/s (pred {r['predicted']['decode_tok_s']:6.2f}), "
+              f"TTFT {r['ttft_s']:6.2f} s (pred {r['predicted']['ttft_s']:6.2f})")
+    print(json.dumps(f, indent=1))
+    return f
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoint", default="out/mini")
@@ -83,8 +117,11 @@ def main(argv=None):
     ap.add_argument("--tuner-minutes", type=float, default=6, help="reserved for the tuner and the final pair")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", help="reuse this host's quick profile of the checkpoint (else one is made, ~5 min on mini)")
+    ap.add_argument("--refit", help="a saved --json run: recompute the fidelity with the current model (needs --profile)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.refit:
+        return refit(args.refit, args.profile, args.checkpoint)
     t0 = time.time()
     if not (Path(args.checkpoint) / "model.safetensors.index.json").exists():
         subprocess.run([sys.executable, "-m", "runtime.cli.checkpoint", "make", "--preset", "mini", "--out", args.checkpoint], check=True)
@@ -116,11 +153,7 @@ def main(argv=None):
               f"experts {'all' if p.host_expert_budget_gib is None else f'{p.host_expert_budget_gib:.1f} GiB'}"
               f" -> {r['decode_tok_s']:6.2f} tok/s (pred {r['predicted']['decode_tok_s']:6.2f}), "
               f"TTFT {r['ttft_s']:6.2f} s (pred {r['predicted']['ttft_s']:6.2f})", flush=True)
-    fit, held = rows[0::2], rows[1::2]
-    cal = calibration(fit)
-    calibrated = {**prof, "calibration": cal}
-    fidelity = {"raw": errors(held, prof, fp, wl), "calibrated": errors(held, calibrated, fp, wl),
-                "factors": {k: round(v["factor"], 3) for k, v in cal["terms"].items()}}
+    fidelity_ = fidelity(rows, prof, fp, wl)
     best = max(rows, key=lambda r: r["decode_tok_s"])
     print("the tuner (dsv41-tune --quick, this profile)", flush=True)
     tuned = tune(ck.root, prof_path, wl, allow_inexact=True, quick=True, storage=f"sqlite:///{tmp}/s.db", log=lambda *a: None)
@@ -128,12 +161,15 @@ def main(argv=None):
     pair = measure_plans(ck, [best["plan"], pick], wl, prompt, max(3, args.repeats))
     best_tok, pick_tok = pair[0]["decode_tok_s"], pair[1]["decode_tok_s"]
     out = {"regret": (best_tok - pick_tok) / best_tok, "noise_floor": noise_floor(pair), "interleaved": pair[0]["interleaved"],
-           "grid_best_tok_s": best_tok, "pick_tok_s": pick_tok, "pick": tuned["plan"], "fidelity": fidelity,
+           "grid_best_tok_s": best_tok, "pick_tok_s": pick_tok, "pick": tuned["plan"], "fidelity": fidelity_,
+           "workload": {"prompt_tokens": wl.prompt_tokens, "max_tokens": wl.max_tokens},
            "grid": [{"plan": r["plan"].to_dict(), "decode_tok_s": r["decode_tok_s"], "ttft_s": r["ttft_s"],
                      "predicted": {k: r["predicted"][k] for k in ("decode_tok_s", "ttft_s")}, "terms": r["terms"],
-                     "decode_samples": r["decode_samples"], "ttft_samples": r["ttft_samples"]} for r in rows],
+                     "decode_samples": r["decode_samples"], "ttft_samples": r["ttft_samples"],
+                     **({"dspark_mean_accepted": r["dspark_mean_accepted"]} if r.get("dspark_mean_accepted") else {})}
+                    for r in rows],
            "minutes": (time.time() - t0) / 60}
-    f = fidelity
+    f = fidelity_
     print(f"held-out half ({f['raw']['plans']} plans): median |pred - meas| / meas  decode {100 * f['raw']['decode']:.1f}% raw, "
           f"{100 * f['calibrated']['decode']:.1f}% calibrated; TTFT {100 * f['raw']['ttft']:.1f}% raw, "
           f"{100 * f['calibrated']['ttft']:.1f}% calibrated")

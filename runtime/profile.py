@@ -20,7 +20,7 @@ HARD_FIELDS = ("cpu_model", "isa", "physical_cores", "numa_nodes", "ram_gib", "g
 SCALAR_KEYS = ("dram_stream_read_gbs", "pcie_h2d_gbs", "pcie_d2h_gbs", "pcie_gather_gbs", "moe_dispatch_fixed_us",
                "nvme_seq_read_gbs", "matmul_tflops")
 OPTIONAL_SCALARS = ("gpu_mem_gbs", "gpu_tflops", "dense_path_gbs", "dense_path_tflops", "step_other_s_per_layer",
-                    "shared_call_us", "engram_rows_s")
+                    "shared_call_us", "engram_rows_s", "dspark_p_accept")
 
 
 class ProfileError(ValueError):
@@ -178,6 +178,25 @@ def cpu_moe_figure(profile: dict, geometry: str, tokens: int = 1, threads: int |
         gbs *= threads / best["threads"]
         notes.append(f"cpu_moe_gbs scaled from {best['threads']} measured threads to {threads}")
     return gbs, "; ".join(notes)
+
+
+def cpu_moe_flops(profile: dict, geometry: str, tokens: int, threads: int | None = None) -> tuple[float | None, str]:
+    """The CPU-MoE kernel's FLOP/s for a call of `tokens` tokens at this expert geometry: the measured
+    width nearest `tokens` (log scale), at `threads` (else scaled down by threads / measured threads).
+    -> (FLOP/s or None when no width carries a GFLOP/s figure, note)."""
+    import math
+    rows = [e for e in profile["measurements"]["cpu_moe_gbs"] if "median" in e and (e.get("extra") or {}).get("gflops")]
+    at = [e for e in rows if e.get("threads") == threads] if threads is not None else []
+    pool = at or rows
+    same = [e for e in pool if e["geometry"] == geometry]
+    if not pool:
+        return None, "no CPU-MoE GFLOP/s figure in the profile"
+    best = min(same or pool, key=lambda e: (abs(math.log(max(e.get("tokens", 1), 1) / max(tokens, 1))), -e["extra"]["gflops"]))
+    flops = best["extra"]["gflops"] * 1e9
+    notes = [] if same else [f"CPU-MoE GFLOP/s extrapolated from geometry {best['geometry']} to {geometry}"]
+    if threads is not None and not at and best.get("threads") and threads < best["threads"]:
+        flops *= threads / best["threads"]
+    return flops, "; ".join(notes)
 
 
 def io_path(profile: dict) -> str:

@@ -63,13 +63,35 @@ def corpus() -> tuple[str, ...]:
     return tuple(paras)
 
 
+# DeepSeek's conversation markers (as in the V3 tokenizer): special tokens, so text can never produce them
+SPECIAL = {"bos": "<｜begin▁of▁sentence｜>", "eos": "<｜end▁of▁sentence｜>", "user": "<｜User｜>", "assistant": "<｜Assistant｜>"}
+
+
+def special_ids(tok: Tokenizer) -> dict:
+    """{bos, eos, user, assistant} -> token id (None where the tokenizer lacks it; a tokenizer made
+    before the markers has `<eos>` as its end of sentence)."""
+    out = {k: tok.token_to_id(v) for k, v in SPECIAL.items()}
+    if out["eos"] is None:
+        out["eos"] = tok.token_to_id("<eos>")
+    return out
+
+
+def without_specials(tok: Tokenizer) -> Tokenizer:
+    """The same tokenizer with no added tokens: marker strings inside user text encode as plain text."""
+    import json
+    d = json.loads(tok.to_str())
+    d["added_tokens"] = []
+    return Tokenizer.from_str(json.dumps(d))
+
+
 def build_tokenizer(vocab_size: int) -> Tokenizer:
-    """Byte-level BPE trained on the local corpus to exactly `vocab_size` tokens (deterministic)."""
+    """Byte-level BPE trained on the local corpus to exactly `vocab_size` tokens (deterministic), the
+    conversation markers (SPECIAL) its first ids."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<eos>"])
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=list(SPECIAL.values()))
     tok.train_from_iterator(corpus(), trainer=trainer)
     if tok.get_vocab_size() != vocab_size:
         raise ValueError(f"the local corpus yields only {tok.get_vocab_size()} BPE tokens, the config asks for {vocab_size}")

@@ -134,6 +134,33 @@ def fixed_costs(ck: Checkpoint, threads: int, repeats: int = 20, device: str | N
     return out
 
 
+def dspark_acceptance(ck: Checkpoint, quick: bool, threads: int, draft_length: int = 3) -> dict:
+    """The drafter's per-token acceptance on this checkpoint: greedy DSpark generations of natural-text
+    prompts through the runtime, each one's mean accepted drafts per step solved for p (terms.p_from_accepted)."""
+    from tokenizers import Tokenizer
+
+    from autotune.terms import p_from_accepted
+    from runtime.engine import Engine
+    from runtime.workload import make_prompts
+    cfg, fp = ck.config, ck.footprint()
+    if not cfg.dspark_num_layers:
+        return {"skipped": "the checkpoint has no DSpark drafter"}
+    P, D, n = (32, 16, 1) if quick else (96, 32, 3)
+    budget = probe_budget_bytes() // 2
+    plan = Plan(cpu_threads=threads, max_context=P + D + 16, prefill_chunk=64, dspark=True, draft_length=draft_length,
+                host_expert_budget_gib=None if fp.routed_expert_bytes_total <= budget else budget / 2**30,
+                engram_placement="nvme_mmap" if cfg.engram_layer_ids else "host")
+    e = Engine(ck, plan, device="cpu")
+    try:
+        tok = Tokenizer.from_file(str(ck.root / "tokenizer.json"))
+        ps = [p_from_accepted(e.generate(p, D).dspark["mean_accepted"], draft_length) for p in make_prompts(tok, P, n, seed=5)]
+    finally:
+        e.close()
+    return _fig(Measurement(tuple(ps), "per token", note=f"greedy DSpark, draft length {draft_length}, {n} prompts of {P} "
+                                                         f"tokens, {D} generated each"),
+                geometry=cfg.geometry_hash(), draft_length=draft_length)
+
+
 def routing(ck: Checkpoint, quick: bool, threads: int) -> dict:
     """A routing trace of one request on this checkpoint -> the profile's `routing` entry."""
     from tokenizers import Tokenizer

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.serve.text import TextStream
+from runtime.tokenizer import special_ids
 from runtime.serve.worker import Job, QueueFull, Worker
 
 
@@ -162,7 +163,7 @@ def create_app(engine, tokenizer, template, model_id: str, info: dict, max_queue
     planned = planned_bytes(plan, fp, on_cpu=engine.device == "cpu")       # the same accounting as admission
     metrics = metrics or Metrics({"host": planned["anon"], "mapped": planned["file"], "device": planned["device"]}, model_id)
     worker = Worker(engine, metrics, max_queue)
-    eos = tokenizer.token_to_id("<eos>")
+    eos = special_ids(tokenizer)["eos"]
     vocab = engine.cfg.vocab_size
     @contextlib.asynccontextmanager
     async def lifespan(_):
@@ -343,14 +344,13 @@ def create_app(engine, tokenizer, template, model_id: str, info: dict, max_queue
     async def chat(req: ChatRequest, request: Request):
         arrival = getattr(request.state, "arrival", time.perf_counter())
         unsupported(req)
-        try:
-            text = await asyncio.to_thread(template.render, [m.model_dump() for m in req.messages])
+        try:                                         # off the event loop; content can never forge a marker
+            prompt = await asyncio.to_thread(template.encode, [m.model_dump() for m in req.messages], tokenizer)
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
         except Exception as e:                       # the template itself failed on these messages
             raise ApiError(400, f"the chat template could not render these messages: {type(e).__name__}: {e}",
                            "messages", code="template_error") from None
-        prompt = await _encode(text)
         n = _check(req, prompt, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens, 256)
         return await _respond(request, req, await _submit(req, prompt, n, arrival), chat=True)
 

@@ -133,4 +133,4 @@ def test_measured_dspark_acceptance_replaces_the_assumed_one():
     measured = predict(plan, {**epyc, "calibration": {"dspark_p_accept": p}}, fp, wl)
     assert measured.decode_tok_s < assumed.decode_tok_s                 # 0.35 < the assumed 0.7
     assert measured.terms["dspark_accepted"] == pytest.approx(sum(p ** i for i in range(4)))
-    assert any("measured by validation" in n for n in measured.notes) and any("assumed" in n for n in assumed.notes)
+    assert any("measured on this checkpoint" in n for n in measured.notes) and any("assumed" in n for n in assumed.notes)

@@ -11,6 +11,7 @@ from tokenizers import Tokenizer
 from runtime.checkpoint.reader import Checkpoint
 from runtime.engine import Engine
 from runtime.plan import Plan
+from runtime.tokenizer import special_ids
 from runtime.workload import make_prompt
 
 
@@ -33,7 +34,7 @@ def _metric(url, name):
 def test_completions_stream_and_non_stream_match_the_engine(server, client, tiny_dir):
     tok = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
     prompt = make_prompt(tok, 48, seed=3)
-    expect = Engine(Checkpoint(tiny_dir), Plan(max_context=512)).generate(prompt, 12, stop_ids=(tok.token_to_id("<eos>"),))
+    expect = Engine(Checkpoint(tiny_dir), Plan(max_context=512)).generate(prompt, 12, stop_ids=(special_ids(tok)["eos"],))
     r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
     assert r.choices[0].text == tok.decode(expect.tokens, skip_special_tokens=True)
     assert r.usage.prompt_tokens == 48 and r.usage.completion_tokens == len(expect.tokens)
