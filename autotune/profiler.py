@@ -171,8 +171,8 @@ def _cpu_moe_sweep(cfg, cores: int, quick: bool, step) -> tuple[list, tuple | No
             continue
         for t in threads_sweep:
             for w in widths:
-                if (w > 8 or quick and w > 1) and t != cores:
-                    continue
+                if t != cores and (w > 8 if not quick else w not in (1, 64)):
+                    continue                  # other thread counts: decode and one prefill width
                 r = cpu_moe(bank, w, t, top_k=K, repeats=6 if quick else 12, note=note)
                 out.append(_fig(r, geometry=gname, tokens=w, threads=t))
         if served is None and (bank.expert_bytes >= 1 << 20 or (H, I) == GEOMETRIES["deepseek-v4.1-flash"][:2]):

@@ -54,6 +54,17 @@ def commit() -> str:
         return "unknown"
 
 
+def dirty() -> bool | None:
+    """Does the working tree differ from the commit (uncommitted changes to tracked files)? None: unknown."""
+    try:
+        root = Path(__file__).resolve().parent.parent
+        r = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                           text=True, timeout=10)
+        return bool(r.stdout.strip()) if r.returncode == 0 else None
+    except Exception:
+        return None
+
+
 def fingerprint(checkpoint_dir: Path, geometry_hash: str) -> dict:
     import numba
     import numpy

@@ -10,8 +10,12 @@ length (`ignore_eos`). Phase `cold`: the first W requests one at a time, straigh
 came up or the caches were cold; phase `warm`: the N requests at the given concurrency (or Poisson
 arrivals at R requests/s). Per request: TTFT (send -> first token), TPOT ((latency - TTFT) / (tokens
 - 1)), ITL (gaps between streamed chunks), end-to-end latency; per phase: percentiles, request and
-token throughput, failures with their reasons, and every raw sample. Provenance: the server's host
-fingerprint, plan and commit (from /dsv41/info when the server is dsv41) and this client's commit.
+token throughput, failures with their reasons, and every raw sample (per request its start and end
+time from the phase's start and its ITL gaps). In rate mode the client never limits its connections
+(an open-loop client must not queue requests itself); the limit used is recorded. Provenance: the
+server's host fingerprint, plan and commit (from /dsv41/info when the server is dsv41), this client's
+commit and whether its tree was dirty, the local time with its timezone. Against another server
+(vLLM, SGLang, llama.cpp) give `--tokenizer` its model's tokenizer.json.
 """
 from __future__ import annotations
 
@@ -68,11 +72,19 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
             "start_s": t0, "end_s": end}
 
 
+def connection_limit(concurrency: int, rate) -> int | None:
+    """The client's connection pool: none in rate mode (an open-loop client must never queue requests
+    itself), the concurrency plus a few otherwise."""
+    return None if rate else max(concurrency, 1) + 4
+
+
 async def run_phase(url, model, jobs, concurrency=1, rate=None, seed=0, progress=None) -> tuple[list[dict], float]:
-    """jobs: [(prompt ids, max_tokens)] -> (per-request results in job order, wall seconds)."""
+    """jobs: [(prompt ids, max_tokens)] -> (per-request results in job order, wall seconds). Start and
+    end times are relative to the phase's start."""
     sem = asyncio.Semaphore(concurrency if rate is None else len(jobs))
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(jobs)) if rate else np.zeros(len(jobs))
-    limits = httpx.Limits(max_connections=max(concurrency, 1) + 4)
+    n = connection_limit(concurrency, rate)
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), limits=limits) as client:
         async def go(prompt, n):
             async with sem:
@@ -87,6 +99,9 @@ async def run_phase(url, model, jobs, concurrency=1, rate=None, seed=0, progress
                 await asyncio.sleep(gap)
             tasks.append(asyncio.create_task(go(prompt, n)))
         out = await asyncio.gather(*tasks)
+    for r in out:
+        if "start_s" in r:
+            r["start_s"], r["end_s"] = r["start_s"] - t0, r["end_s"] - t0
     return out, time.perf_counter() - t0
 
 
@@ -119,7 +134,7 @@ def _tokenizer(url, path):
 
 
 def bench(args) -> list[dict]:
-    from hostinfo.fingerprint import commit
+    from hostinfo.fingerprint import commit, dirty
     from runtime.workload import make_prompt
     url = args.url.rstrip("/")
     try:
@@ -145,12 +160,15 @@ def bench(args) -> list[dict]:
             results, wall = asyncio.run(run_phase(url, model, js, conc, rate, seed, lambda: bar.advance(task)))
             rows.append({
                 "schema": SCHEMA, "kind": "bench", "phase": phase, "label": args.label, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "timezone": time.strftime("%z"),
                 "url": url, "model": model, "host": info.get("host"), "profile": info.get("profile"), "plan": info.get("plan"),
-                "server_commit": info.get("commit"), "client_commit": commit(),
+                "server_commit": info.get("commit"), "client_commit": commit(), "client_dirty": dirty(),
                 "config": {"requests": len(js), "concurrency": conc, "rate": rate, "prompt_tokens": args.prompt_tokens,
-                           "output_tokens": args.output_tokens, "spread": args.spread, "seed": seed},
+                           "output_tokens": args.output_tokens, "spread": args.spread, "seed": seed,
+                           "client_connection_limit": connection_limit(conc, rate)},
                 "results": summarize(results, wall),
-                "samples": {k: [r.get(k) for r in results] for k in ("ttft_s", "tpot_s", "e2e_s", "output_tokens", "prompt_tokens", "error")},
+                "samples": {k: [r.get(k) for r in results] for k in ("ttft_s", "tpot_s", "e2e_s", "output_tokens", "prompt_tokens",
+                                                                     "start_s", "end_s", "itl_s", "error")},
             })
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -192,7 +210,9 @@ def build_parser():
     p.add_argument("--spread", type=float, default=0.25, help="lengths uniform in mean*(1 +- spread)")
     p.add_argument("--warmup", type=int, default=2, help="cold-phase requests, one at a time, before the run")
     p.add_argument("--seed", type=int, help="prompt seed (default: random, recorded)")
-    p.add_argument("--tokenizer", help="tokenizer.json (default: the server's /dsv41/tokenizer.json)")
+    p.add_argument("--tokenizer", help="the served model's tokenizer.json: needed against a server that is not dsv41 "
+                                       "(vLLM, SGLang, llama.cpp), so prompts are exact token counts in its vocabulary "
+                                       "(default: the server's /dsv41/tokenizer.json)")
     p.add_argument("--out", help="append the phases' rows to this JSONL file")
     p.add_argument("--label", default="")
     p.add_argument("--json", action="store_true", help="print the rows as JSON lines")

@@ -19,16 +19,33 @@ def _save(fig, path):
 
 
 def bandwidths(hosts: pd.DataFrame, path):
+    """Bars on a log scale (host DRAM and a PCIe link differ 10-100x); a figure a host lacks is a gap."""
     cols = [(c, label) for c, label in BANDWIDTHS if c in hosts] + \
            [(c, "CPU-MoE " + c[8:-4]) for c in hosts if c.startswith("cpu_moe_")]
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / max(len(hosts), 1)
     for i, (_, h) in enumerate(hosts.iterrows()):
-        vals = [h.get(c) if pd.notna(h.get(c)) else 0 for c, _ in cols]
-        ax.bar([k + i * width for k in range(len(cols))], vals, width, label=f"{h['host']} ({h['figures']})")
+        xs = [k + i * width for k, (c, _) in enumerate(cols) if pd.notna(h.get(c)) and h.get(c) > 0]
+        vals = [h.get(c) for c, _ in cols if pd.notna(h.get(c)) and h.get(c) > 0]
+        ax.bar(xs, vals, width, label=f"{h['host']} ({h['figures']})")
+    ax.set_yscale("log")
     ax.set_xticks([k + width * (len(hosts) - 1) / 2 for k in range(len(cols))], [lbl for _, lbl in cols], rotation=25, ha="right")
-    ax.set_ylabel("GB/s (0 = not measured / no device)")
+    ax.set_ylabel("GB/s (log; a gap = not measured / no device)")
     ax.set_title("Bandwidth ceilings per host")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def throughput_vs_concurrency(bench: pd.DataFrame, path):
+    """Output tok/s against client concurrency, one line per host (warm phases, closed loop)."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    warm = bench[(bench["phase"] == "warm") & bench["rate"].isna()]
+    for host, g in warm.groupby("host"):
+        g = g.sort_values("concurrency")
+        ax.plot(g["concurrency"], g["output_tok_s"], marker="o", label=host)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tok/s")
+    ax.set_title("Throughput vs concurrency (dsv41-bench)")
     ax.legend(fontsize=8)
     return _save(fig, path)
 

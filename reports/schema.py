@@ -50,7 +50,10 @@ def host_record(p: dict, name: str | None = None) -> dict:
         r[f"plan_{k}"] = plan.get(k)
     r["plan_geometry"] = plan.get("geometry_hash")
     pred = p.get("predicted") or {}
-    r["predicted_tok_s"], r["predicted_ttft_s"] = pred.get("decode_tok_s"), pred.get("ttft_s")
+    raw = pred.get("raw") or pred                     # the search's (uncalibrated) figure, and validation's
+    r["predicted_tok_s"], r["predicted_ttft_s"] = raw.get("decode_tok_s"), raw.get("ttft_s")
+    if (p.get("calibration") or {}).get("terms"):
+        r["calibrated_tok_s"], r["calibrated_ttft_s"] = pred.get("decode_tok_s"), pred.get("ttft_s")
     v = p.get("validation")
     if v:
         picked = v["rows"][v["picked"]]["measured"]

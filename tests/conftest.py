@@ -67,27 +67,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def server(tiny_dir, tmp_path_factory):
-    prof = _host_profile(tiny_dir, tmp_path_factory.mktemp("serve") / "host.json", max_context=512)
+def start_server(checkpoint, profile, *extra) -> tuple[subprocess.Popen, str, object]:
+    """dsv41-serve on a free loopback port, up and healthy. -> (process, url, log file)."""
     port = free_port()
-    log = open(prof.with_suffix(".log"), "w")
-    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli.serve", "--profile", str(prof), "--checkpoint", str(tiny_dir),
-                             "--port", str(port), "--max-queue", "2"], stdout=log, stderr=subprocess.STDOUT,
+    log = open(profile.with_suffix(".log"), "w")
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli.serve", "--profile", str(profile), "--checkpoint", str(checkpoint),
+                             "--port", str(port), *extra], stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180
     while True:
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
+                return proc, url, log
         except httpx.HTTPError:
             pass
         if proc.poll() is not None or time.time() > deadline:
             proc.kill()
-            raise RuntimeError(f"dsv41-serve did not come up: {prof.with_suffix('.log').read_text()[-2000:]}")
+            raise RuntimeError(f"dsv41-serve did not come up: {profile.with_suffix('.log').read_text()[-2000:]}")
         time.sleep(0.5)
-    yield url
+
+
+def stop_server(proc, log) -> None:
     proc.terminate()
     proc.wait(timeout=30)
     log.close()
+
+
+@pytest.fixture(scope="session")
+def server(tiny_dir, tmp_path_factory):
+    prof = _host_profile(tiny_dir, tmp_path_factory.mktemp("serve") / "host.json", max_context=512)
+    proc, url, log = start_server(tiny_dir, prof, "--max-queue", "2")
+    yield url
+    stop_server(proc, log)

@@ -28,6 +28,10 @@ def test_bench_rows_carry_percentiles_samples_and_provenance(bench_rows):
         assert s["failed"] == 0 and s["completed"] == r["config"]["requests"] and s["errors"] == []
         assert 0 < s["ttft_s"]["p50"] <= s["ttft_s"]["p99"] and s["decode_tok_s"] > 0 and s["output_tok_s"] > 0
         assert all(32 <= n <= 48 for n in r["samples"]["prompt_tokens"])          # 40 +- 20%, exact token prompts
+        assert r["config"]["client_connection_limit"] == (None if r["config"]["rate"] else r["config"]["concurrency"] + 4)
+        assert all(0 <= a < b for a, b in zip(r["samples"]["start_s"], r["samples"]["end_s"]))   # per request, raw
+        assert all(0 < len(g) <= n - 1 for g, n in zip(r["samples"]["itl_s"], r["samples"]["output_tokens"]))
+        assert r["client_dirty"] in (True, False, None) and r["timezone"][0] in "+-"
         assert all(6 <= n <= 10 for n in r["samples"]["output_tokens"])           # ignore_eos: exactly what was asked
         assert r["host"]["hard"]["physical_cores"] >= 1 and r["plan"]["max_context"] == 512 and r["client_commit"]
     rec = bench_record(rows[1])
@@ -54,7 +58,11 @@ def test_report_renders_two_hosts_with_plots_and_html(shipped, tuned, bench_rows
     assert {"decode.moe", "decode.dense", "decode.attention", "prefill.moe"} <= set(terms["term"])
     assert terms["measured_ms"].ge(0).all() and terms["predicted_calibrated_ms"].notna().all()
     page = (tmp_path / "report.html").read_text()
-    assert page.count("data:image/png;base64,") == 4 and "5090-epyc" in page      # self-contained
+    assert page.count("data:image/png;base64,") == 5 and "5090-epyc" in page      # self-contained
+    head = pd.read_csv(tmp_path / "headline.csv")                                 # hosts as columns
+    assert list(head.columns)[0] == "figure" and set(hosts["host"]) <= set(head.columns)
+    assert {"DRAM GB/s", "measured tok/s", "predicted tok/s (raw)"} <= set(head["figure"])
+    assert any(f.startswith("vs 5090-epyc") for f in head["figure"]) and "bench ttft p50 ms" in set(head["figure"])
     assert r["tables"]["bench"] == 3
 
 

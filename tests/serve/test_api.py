@@ -227,26 +227,11 @@ def test_metrics_show_the_plans_bytes_from_the_one_accounting(server, tiny_dir):
 
 @pytest.fixture(scope="module")
 def batching_server(tiny_dir, tmp_path_factory, host_profile):
-    import subprocess
-    import sys
-    from tests.conftest import free_port
+    from tests.conftest import start_server, stop_server
     prof = host_profile(tiny_dir, tmp_path_factory.mktemp("batch") / "host.json", max_context=512)
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli.serve", "--profile", str(prof), "--checkpoint", str(tiny_dir),
-                             "--port", str(port), "--max-num-seqs", "4"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None and time.time() < deadline, "the batching server did not come up"
-        time.sleep(0.5)
+    proc, url, log = start_server(tiny_dir, prof, "--max-num-seqs", "4")
     yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    stop_server(proc, log)
 
 
 def test_concurrent_streams_share_steps_and_each_gets_its_own_output(batching_server, tiny_dir):
