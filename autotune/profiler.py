@@ -169,10 +169,13 @@ def _cpu_moe_sweep(cfg, cores: int, quick: bool, step) -> tuple[list, tuple | No
         except ProbeTooLarge as e:
             out.append({"skipped": str(e), "geometry": gname})
             continue
+        here = gname == f"{cfg.hidden_size}x{cfg.moe_intermediate_size}"
         for t in threads_sweep:
             for w in widths:
                 if t != cores and (w > 8 if not quick else w not in (1, 64)):
                     continue                  # other thread counts: decode and one prefill width
+                if quick and not here and (t != cores or w > 8):
+                    continue                  # quick: the reference geometries at decode widths only
                 r = cpu_moe(bank, w, t, top_k=K, repeats=6 if quick else 12, note=note)
                 out.append(_fig(r, geometry=gname, tokens=w, threads=t))
         if served is None and (bank.expert_bytes >= 1 << 20 or (H, I) == GEOMETRIES["deepseek-v4.1-flash"][:2]):
