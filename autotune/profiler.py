@@ -191,10 +191,13 @@ def _forward_terms(ck: Checkpoint, quick: bool) -> dict:
     why = ("the dense path runs on the GPU on this host (not probed on the CPU)" if cuda_available() else
            f"the dense weights as held ({held / 2**30:.1f} GiB) exceed the probe memory budget "
            f"({probe_budget_bytes() / 2**30:.1f} GiB)" if held > probe_budget_bytes() else None)
-    if why:
-        return {k: _skipped(why) for k in ("dense_path_gbs", "dense_path_tflops", "attention_s_per_token", "engram_rows_s",
-                                           "shared_call_us", "step_other_s_per_layer")}
-    return runtime_paths.forward_terms(ck, quick, usable_cores())
+    if why is None:
+        try:                      # a probe engine the host cannot hold (DoesNotFit) or a skeleton: skipped, named
+            return runtime_paths.forward_terms(ck, quick, usable_cores())
+        except (OSError, ValueError, RuntimeError) as e:
+            why = f"not measured: {e}"
+    return {k: _skipped(why) for k in ("dense_path_gbs", "dense_path_tflops", "attention_s_per_token", "engram_rows_s",
+                                       "shared_call_us", "step_other_s_per_layer")}
 
 
 def _routing(ck: Checkpoint, quick: bool, cores: int) -> dict:

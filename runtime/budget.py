@@ -147,12 +147,6 @@ def transient_bytes(plan: Plan, fp: Footprint, where: str = "cpu") -> int:
     return f["io"] + (f["moe"] if plan.moe_strategy != "offload" else 0)
 
 
-def sequence_bytes(plan: Plan, fp: Footprint, where: str = "cpu") -> int:
-    """Bytes the served sequences add to the tier that runs attention: their states at max_context and
-    the largest forward's temporaries there."""
-    return kv_states_bytes(plan, fp) + transient_bytes(plan, fp, where)
-
-
 def device_bytes(plan: Plan, fp: Footprint) -> int:
     """What a GPU host's device holds (breakdown's parts)."""
     return sum(breakdown(plan, fp, on_cpu=False)["device"].values())

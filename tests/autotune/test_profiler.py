@@ -87,3 +87,18 @@ def test_o_direct_unavailable_is_reported_with_the_fallback(tmp_path, monkeypatc
     assert bytes(out[0]) == f.read_bytes()[10:5010] and bytes(out[1]) == f.read_bytes()[40000:40300]
     assert r.path == "buffered" and "O_DIRECT refused" in r.fallback_reason and "data.bin" in r.fallback_reason
     r.close()
+
+
+def test_a_runtime_probe_the_host_cannot_hold_is_skipped_with_its_reason(tiny_dir, monkeypatch):
+    from autotune import profiler
+    from runtime.budget import DoesNotFit
+    from runtime.checkpoint.reader import Checkpoint
+
+    def too_big(*a, **k):
+        raise DoesNotFit("the plan keeps 9.00 GiB in host RAM, 2.00 GiB are available")
+    monkeypatch.setattr(profiler.runtime_paths, "forward_terms", too_big)
+    monkeypatch.setattr(profiler, "cuda_available", lambda: False)
+    out = profiler._forward_terms(Checkpoint(tiny_dir), quick=True)
+    assert set(out) == {"dense_path_gbs", "dense_path_tflops", "attention_s_per_token", "engram_rows_s",
+                        "shared_call_us", "step_other_s_per_layer"}
+    assert all("2.00 GiB are available" in v["skipped"] for v in out.values())
