@@ -5,7 +5,7 @@ support of a filesystem, CUDA. Nothing else in the project reads /proc, /sys, cp
 Each fact has an environment override, so the tests run the whole product under host shapes other
 than the one they run on (docs/host-overrides.md):
 
-  DSV41_CPU_ISA      avx512 | avx2 | scalar   the kernels' SIMD path (narrower than the CPU's only)
+  DSV41_CPU_ISA      avx512vnni | avx512 | avx2 | scalar   the kernels' SIMD path (narrower than the CPU's only)
   DSV41_LLC_MIB      MiB per last-level cache domain
   DSV41_LLC_DOMAINS  how many distinct last-level cache domains (default 1 with DSV41_LLC_MIB)
   DSV41_CORES        usable cores (never above what the process may really run on)
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-ISAS = ("avx512", "avx2", "scalar")
+ISAS = ("avx512vnni", "avx512", "avx2", "scalar")
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
 _SYS_CPU = Path("/sys/devices/system/cpu")
 
@@ -83,14 +83,15 @@ def cpu_flags() -> list[str]:
 
 
 def isa() -> str:
-    """The widest SIMD path the CPU kernels can take here: avx512 | avx2 | scalar (any non-x86 host:
-    scalar). DSV41_CPU_ISA narrows it; asking for a wider one than the CPU has is an error."""
+    """The widest SIMD path the CPU kernels can take here: avx512vnni (AVX-512BW with VNNI's integer dot
+    products) | avx512 | avx2 | scalar (any non-x86 host: scalar). DSV41_CPU_ISA narrows it; asking for
+    a wider one than the CPU has is an error."""
     real = "scalar"
     if arch() in ("x86_64", "AMD64", "i686", "i386"):
         import llvmlite.binding as llvm
         feats = llvm.get_host_cpu_features()
         if feats.get("avx512f") and feats.get("avx512bw"):
-            real = "avx512"
+            real = "avx512vnni" if feats.get("avx512vnni") else "avx512"
         elif feats.get("avx2") and feats.get("fma"):
             real = "avx2"
     forced = os.environ.get("DSV41_CPU_ISA")

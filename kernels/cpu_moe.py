@@ -1,6 +1,9 @@
 """CPU expert FFN over ds_fp4 banks (numba): y[t] = sum_k w[t,k] * down_e(silu(gate_e x_t) * up_e x_t).
 
-Weights are read in place in ds_fp4 (fused dequantize, no full-precision copy of an expert). Shapes
+Weights are read in place in ds_fp4 (no full-precision copy of an expert); each expert input is
+quantized per 32-block to int8 (kernels/formats.py `quantize_act`: the arithmetic of every expert path)
+and the SIMD paths sum weight x input in integers (kernels/fp4_i8.py; the scalar path does the same in
+plain loops). Shapes
 that matter: decode (1 token x top-6 experts), DSpark verification (2-6 tokens whose experts overlap),
 small batches; prefill widths go through `expert_ffn_dense` (dequantize a tile, torch matmul) when
 that is faster (the crossover is measured in benchmarks/cpu_moe.py and kept in DENSE_MIN_TOKENS).
@@ -24,12 +27,14 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from hostinfo import isa
-from kernels.formats import dequantize_mxfp4
-from kernels.fp4_simd import E2M1, fp4_dequant, fp4_dot
+from kernels.formats import dequantize_mxfp4, quantize_act
+from kernels.fp4_i8 import LUT16, OFFSET, fp4_i8_dot
+from kernels.fp4_simd import E2M1, fp4_dequant
 from kernels.threads import set_threads
 
 ISA = isa()                  # the host's widest path, or $DSV41_CPU_ISA (hostinfo)
-LANES = {"avx512": 16, "avx2": 8, "scalar": 0}[ISA]   # a compile-time constant in the kernels below
+LANES = {"avx512vnni": 16, "avx512": 16, "avx2": 8, "scalar": 0}[ISA]   # compile-time constants in the kernels below
+MODE = {"avx512vnni": 3, "avx512": 2, "avx2": 1, "scalar": 0}[ISA]         # fp4_i8_dot's instruction path
 # Compiled code is cached on disk for the host ISA only; a forced ISA (tests) compiles in memory, so the
 # cache never holds code for an ISA other than the one numba's cache key (CPU name + features) names.
 CACHE = "DSV41_CPU_ISA" not in os.environ
@@ -39,6 +44,7 @@ DENSE_MIN_TOKENS = 256       # tokens per expert from which dequantize + torch m
 
 STAB = np.array([np.float32(2.0) ** (b - 127) if b != 255 else np.nan for b in range(256)], dtype=np.float32)
 E2M1_F32 = np.array(E2M1, dtype=np.float32)
+LUT_I32 = np.array(LUT16, dtype=np.int32)
 
 
 @dataclass(frozen=True)
@@ -117,17 +123,18 @@ class Fp4Bank:
 
 # ----------------------------------------------------------------------------------------- kernels
 @njit(nogil=True, cache=CACHE)
-def _dot_scalar(R, codes, c_off, c_stride, scales, s_off, s_stride, x, x_off, stab, ng, out, o_off, or_stride):
-    half = ng * 16
+def _dot_scalar(R, codes, c_off, c_stride, scales, s_off, s_stride, xq, xc, xr, a, K, out, o_off, or_stride):
+    """fp4_i8_dot's arithmetic in plain loops (one input): per 4 code bytes an exact integer sum."""
+    half = K // 2
     for r in range(R):
         acc = np.float32(0.0)
-        for g in range(ng):
-            s = stab[scales[s_off + r * s_stride + g]]
-            p = np.float32(0.0)
-            for j in range(16):
-                c = codes[c_off + r * c_stride + g * 16 + j]
-                p += E2M1_F32[c & 15] * x[x_off + g * 16 + j] + E2M1_F32[c >> 4] * x[x_off + half + g * 16 + j]
-            acc += p * s
+        for L in range(half // 4):
+            s = STAB[scales[s_off + r * s_stride + L // 4]]
+            p = np.int32(0)
+            for b in range(4 * L, 4 * L + 4):
+                c = codes[c_off + r * c_stride + b]
+                p += LUT_I32[c & 15] * np.int32(xq[a * K + b]) + LUT_I32[c >> 4] * np.int32(xq[a * K + half + b])
+            acc += np.float32(p - xc[a * (K // 8) + L]) * (s * xr[a * (K // 8) + L])
         out[o_off + r * or_stride] = acc
 
 
@@ -174,23 +181,23 @@ def _plan_slots(ids, n_experts):
     return experts, off, tok, kk
 
 
-def _dot(R, T, lanes, codes, c_off, c_stride, scales, s_off, s_stride, x, x_off, x_stride, stab, ng, out, o_off, o_stride, or_stride):
-    """R rows x T inputs: the SIMD intrinsic for lanes 8/16, plain loops for lanes 0 (compiled only)."""
+def _dot(R, T, mode, codes, c_off, c_stride, scales, s_off, s_stride, xq, xc, xr, a0, K, out, o_off, o_stride, or_stride):
+    """R rows x T inputs: the SIMD intrinsic for modes 1-3, plain loops for mode 0 (compiled only)."""
     raise NotImplementedError("numba-only")
 
 
 @overload(_dot, prefer_literal=True, inline="always")
-def _ov_dot(R, T, lanes, codes, c_off, c_stride, scales, s_off, s_stride, x, x_off, x_stride, stab, ng, out, o_off, o_stride, or_stride):
-    if not all(isinstance(a, types.IntegerLiteral) for a in (R, T, lanes)):
+def _ov_dot(R, T, mode, codes, c_off, c_stride, scales, s_off, s_stride, xq, xc, xr, a0, K, out, o_off, o_stride, or_stride):
+    if not all(isinstance(a, types.IntegerLiteral) for a in (R, T, mode)):
         return None
-    if lanes.literal_value == 0:
-        def scalar(R, T, lanes, codes, c_off, c_stride, scales, s_off, s_stride, x, x_off, x_stride, stab, ng, out, o_off, o_stride, or_stride):
+    if mode.literal_value == 0:
+        def scalar(R, T, mode, codes, c_off, c_stride, scales, s_off, s_stride, xq, xc, xr, a0, K, out, o_off, o_stride, or_stride):
             for j in range(T):
-                _dot_scalar(R, codes, c_off, c_stride, scales, s_off, s_stride, x, x_off + j * x_stride, stab, ng, out, o_off + j * o_stride, or_stride)
+                _dot_scalar(R, codes, c_off, c_stride, scales, s_off, s_stride, xq, xc, xr, a0 + j, K, out, o_off + j * o_stride, or_stride)
         return scalar
 
-    def simd(R, T, lanes, codes, c_off, c_stride, scales, s_off, s_stride, x, x_off, x_stride, stab, ng, out, o_off, o_stride, or_stride):
-        fp4_dot(R, T, lanes, codes, c_off, c_stride, scales, s_off, s_stride, x, x_off, x_stride, stab, ng, out, o_off, o_stride, or_stride)
+    def simd(R, T, mode, codes, c_off, c_stride, scales, s_off, s_stride, xq, xc, xr, a0, K, out, o_off, o_stride, or_stride):
+        fp4_i8_dot(R, T, mode, codes, c_off, c_stride, scales, s_off, s_stride, xq, xc, xr, a0, K, out, o_off, o_stride, or_stride)
     return simd
 
 
@@ -220,15 +227,14 @@ def _deq_scalar(codes, c_off, scales, s_off, stab, ng, out, o_off):
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _matvecs(codes, scales, experts, off, xs, out, stab):
+def _matvecs(codes, scales, experts, off, xq, xc, xr, out):
     """out[a, r] = W_{experts[s]}[r] . x(a) for assignments a of slot s (off[s] <= a < off[s+1]);
-    xs [A, K] de-interleaved, out [A, N]."""
+    inputs prepared by `_prepare` (xq [A, K], xc and xr [A, K/8]), out [A, N]."""
     S = len(experts)
     N = out.shape[1]
-    K = xs.shape[1]
-    ng = K // 32
+    K = xq.shape[1]
     c_row, s_row = K // 2, K // 32
-    xf = xs.reshape(-1)
+    qf, cxf, rf = xq.reshape(-1), xc.reshape(-1), xr.reshape(-1)
     of = out.reshape(-1)
     cf = codes.reshape(-1)
     sf = scales.reshape(-1)
@@ -243,49 +249,68 @@ def _matvecs(codes, scales, experts, off, xs, out, stab):
             c_off = (e * N + r) * c_row
             s_off = (e * N + r) * s_row
             j = off[s]
-            while j < off[s + 1]:                         # tokens in blocks of 4 share each row decode
-                x_off = j * K
+            while j < off[s + 1]:                         # inputs in blocks of 4 share each row decode
                 o_off = j * N + r
                 left = off[s + 1] - j
                 if left >= 4:
-                    _dot(4, 4, LANES, cf, c_off, q * c_row, sf, s_off, q * s_row, xf, x_off, K, stab, ng, of, o_off, N, q)
+                    _dot(4, 4, MODE, cf, c_off, q * c_row, sf, s_off, q * s_row, qf, cxf, rf, j, K, of, o_off, N, q)
                     j += 4
                 elif left == 3:
-                    _dot(4, 3, LANES, cf, c_off, q * c_row, sf, s_off, q * s_row, xf, x_off, K, stab, ng, of, o_off, N, q)
+                    _dot(4, 3, MODE, cf, c_off, q * c_row, sf, s_off, q * s_row, qf, cxf, rf, j, K, of, o_off, N, q)
                     j += 3
                 elif left == 2:
-                    _dot(4, 2, LANES, cf, c_off, q * c_row, sf, s_off, q * s_row, xf, x_off, K, stab, ng, of, o_off, N, q)
+                    _dot(4, 2, MODE, cf, c_off, q * c_row, sf, s_off, q * s_row, qf, cxf, rf, j, K, of, o_off, N, q)
                     j += 2
                 else:
-                    _dot(4, 1, LANES, cf, c_off, q * c_row, sf, s_off, q * s_row, xf, x_off, K, stab, ng, of, o_off, N, q)
+                    _dot(4, 1, MODE, cf, c_off, q * c_row, sf, s_off, q * s_row, qf, cxf, rf, j, K, of, o_off, N, q)
                     j += 1
 
 
 @njit(nogil=True, cache=CACHE)
-def _deinterleave_into(dst, src):
-    h = src.shape[0] // 2
-    for i in range(h):
-        dst[i] = src[2 * i]
-        dst[h + i] = src[2 * i + 1]
+def _prepare_row(x, xq, xc, xr):
+    """One input x [K] f32 -> int8 q per 32-block (kernels/formats.py quantize_act), laid out for
+    fp4_i8_dot: xq = even inputs then odd ones; xc [K/8] = OFFSET x the q sum of each 4 code bytes;
+    xr [K/8] = block scale / 2 (a non-finite block: q = 0, scale NaN, so NaN reaches the output)."""
+    K = x.shape[0]
+    h = K // 2
+    for g in range(K // 32):
+        a = np.float32(0.0)
+        for i in range(32):
+            v = abs(x[32 * g + i])
+            if not v <= a:                                   # NaN sticks
+                a = v
+        ok = a > 0 and np.isfinite(a)
+        inv = np.float32(127.0) / a if ok else np.float32(0.0)
+        sc = a / np.float32(127.0) if ok or a == 0 else np.float32(np.nan)
+        for L in range(4 * g, 4 * g + 4):
+            xc[L] = 0
+            xr[L] = sc * np.float32(0.5)
+        for i in range(32):
+            e = 32 * g + i
+            q = min(max(np.rint(x[e] * inv), np.float32(-127.0)), np.float32(127.0))
+            p = e // 2
+            xq[p + h * (e % 2)] = np.int8(q)
+            xc[p // 4] += OFFSET * np.int32(q)
 
 
 @njit(nogil=True, cache=CACHE)
-def _gather_inputs(x, tok):
-    xs = np.empty((len(tok), x.shape[1]), np.float32)
-    for a in range(len(tok)):
-        _deinterleave_into(xs[a], x[tok[a]])
-    return xs
+def _prepare(x, rows):
+    """Inputs x[rows[a]] -> (xq int8 [A, K], xc int32 [A, K/8], xr f32 [A, K/8])."""
+    A, K = len(rows), x.shape[1]
+    xq, xc, xr = np.empty((A, K), np.int8), np.empty((A, K // 8), np.int32), np.empty((A, K // 8), np.float32)
+    for a in range(A):
+        _prepare_row(x[rows[a]], xq[a], xc[a], xr[a])
+    return xq, xc, xr
 
 
 @njit(nogil=True, cache=CACHE)
-def _swiglu_inputs(h, inter):
+def _swiglu(h, inter):
+    """h [A, 2I] (gate | up) -> silu(gate) * up [A, I]."""
     a = np.empty((h.shape[0], inter), np.float32)
-    tmp = np.empty(inter, np.float32)
     for j in range(h.shape[0]):
         for i in range(inter):
             g = h[j, i]
-            tmp[i] = g / (np.float32(1.0) + np.exp(-g)) * h[j, inter + i]
-        _deinterleave_into(a[j], tmp)
+            a[j, i] = g / (np.float32(1.0) + np.exp(-g)) * h[j, inter + i]
     return a
 
 
@@ -315,27 +340,31 @@ def expert_ffn(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, bank: Fp4Bank, t
     experts, off, tok, kk = _plan_slots(ids, bank.n_experts)
     if len(experts) == 0:
         return y
-    xs = _gather_inputs(x, tok)                                    # [A, H]: A = assignments (<= T K)
+    xq, xc, xr = _prepare(x, tok)                                  # [A, H] int8 (+ [A, H/8] x2): A = assignments (<= T K)
     h = np.empty((len(tok), 2 * bank.inter), np.float32)           # [A, 2I]
-    _matvecs(bank.w13_codes, bank.w13_scales, experts, off, xs, h, STAB)
-    a = _swiglu_inputs(h, bank.inter)                              # [A, I]
+    _matvecs(bank.w13_codes, bank.w13_scales, experts, off, xq, xc, xr, h)
+    a = _swiglu(h, bank.inter)                                     # [A, I]
+    aq, ac, ar = _prepare(a, np.arange(len(tok)))
     d = np.empty((len(tok), H), np.float32)                        # [A, H]
-    _matvecs(bank.w2_codes, bank.w2_scales, experts, off, a, d, STAB)
+    _matvecs(bank.w2_codes, bank.w2_scales, experts, off, aq, ac, ar, d)
     _combine(d, tok, kk, wts, y)
     return y
 
 
-def expert_ffn_reference(x, ids, wts, bank: Fp4Bank, dtype=torch.float64) -> torch.Tensor:
-    """Plain torch, every expert dequantized, in `dtype` (float64 for checks)."""
+def expert_ffn_reference(x, ids, wts, bank: Fp4Bank, dtype=torch.float64, act_quant: bool = True) -> torch.Tensor:
+    """Plain torch, every expert dequantized, in `dtype` (float64 for checks). act_quant: each expert
+    input quantized as every runtime path does (kernels/formats.py quantize_act); False gives the
+    float model the int8 inputs approximate."""
     x = torch.as_tensor(np.asarray(x)).to(dtype)
     ids, wts = np.asarray(ids), torch.as_tensor(np.asarray(wts)).to(dtype)
+    q = quantize_act if act_quant else (lambda v: v)
     y = torch.zeros_like(x)
     for e in np.unique(ids[ids >= 0]):              # -1: no assignment
         w1, w3, w2 = bank.expert_weights(int(e), dtype)
         t, k = np.nonzero(ids == e)
-        xe = x[t]
+        xe = q(x[t])
         hid = torch.nn.functional.silu(xe @ w1.T) * (xe @ w3.T)
-        y.index_add_(0, torch.as_tensor(t), (hid @ w2.T) * wts[t, k][:, None])
+        y.index_add_(0, torch.as_tensor(t), (q(hid) @ w2.T) * wts[t, k][:, None])
     return y
 
 
@@ -360,8 +389,9 @@ def dequant_experts(codes, scales, experts) -> np.ndarray:
 
 
 def expert_ffn_dense(x, ids, wts, bank: Fp4Bank, threads: int | None = None, dtype=torch.bfloat16):
-    """Prefill path: per expert, dequantize its tile (fp4 -> f32 -> `dtype`) and use torch matmul.
-    Compute-bound at prefill widths; numerics differ from expert_ffn only by `dtype` rounding."""
+    """Prefill path: per expert, dequantize its tile (fp4 -> f32 -> `dtype`) and use torch matmul on the
+    int8-per-32 inputs. Compute-bound at prefill widths; numerics differ from expert_ffn only by `dtype`
+    rounding."""
     if set_threads(threads):
         torch.set_num_threads(threads)
     x = torch.as_tensor(np.ascontiguousarray(x, dtype=np.float32))
@@ -372,7 +402,7 @@ def expert_ffn_dense(x, ids, wts, bank: Fp4Bank, threads: int | None = None, dty
         t, k = np.nonzero(ids == e)
         w13 = torch.from_numpy(dequant_experts(bank.w13_codes, bank.w13_scales, [e])[0]).to(dtype)
         w2 = torch.from_numpy(dequant_experts(bank.w2_codes, bank.w2_scales, [e])[0]).to(dtype)
-        h = x[t].to(dtype) @ w13.T                                     # [n, 2I]
+        h = quantize_act(x[t]).to(dtype) @ w13.T                       # [n, 2I]
         a = torch.nn.functional.silu(h[:, :I].float()) * h[:, I:].float()
-        y.index_add_(0, torch.as_tensor(t), (a.to(dtype) @ w2.T).float() * wts_t[t, k][:, None])
+        y.index_add_(0, torch.as_tensor(t), (quantize_act(a).to(dtype) @ w2.T).float() * wts_t[t, k][:, None])
     return y.numpy()

@@ -8,6 +8,14 @@ E8M0 is a bare biased exponent: 2^(b - 127); b = 255 is NaN.
 fp8 dense: e4m3 (torch.float8_e4m3fn, max 448, no inf) with one ue8m0 scale per B x B block of the
 [N, K] weight -> scale uint8 [ceil(N/B), ceil(K/B)] (B = 32 for V4.1, 128 for V4).
 
+Expert inputs (`quantize_act`): every ds_fp4 expert product, on every path (the CPU kernel, the device
+slot cache, the reference the runtime is tested against), multiplies the weights by its input quantized
+per 32-block to int8: a = max |x| over the block (float32), q = clamp(rint(fl32(x * fl32(127 / a))),
+-127, 127), x^ = q * fl32(a / 127) (a = 0: q = 0; a non-finite: x^ = NaN). The CPU kernel then sums
+weight x q in integers (kernels/fp4_i8.py). Against float inputs this costs ~0.5% relative error per
+expert matmul (tests/kernels state the tolerance); it is the same arithmetic for every plan, so plan
+knobs stay exact.
+
 NaN / inf: the quantizers refuse non-finite weights (a ValueError naming how many), because a
 checkpoint must not contain them; the dequantizers propagate a NaN scale (E8M0 255) as NaN for its
 group, as the OCP spec does. Every kernel in this package is tested against these functions.
@@ -73,6 +81,19 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype=torch.flo
     vals = E2M1_VALUES.to(dtype)[unpack_e2m1(packed).long()]
     s = e8m0_to_float(scales, dtype).repeat_interleave(FP4_GROUP, dim=-1)
     return vals * s
+
+
+def quantize_act(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (K % 32 == 0) -> x^ in x's dtype: the int8-per-32 expert input (module docstring),
+    computed in float32 exactly as the CPU kernel computes it."""
+    shape, dtype = x.shape, x.dtype
+    g = x.to(torch.float32).reshape(*shape[:-1], shape[-1] // FP4_GROUP, FP4_GROUP)
+    a = g.abs().amax(-1, keepdim=True)
+    ok = (a > 0) & torch.isfinite(a)
+    inv = torch.where(ok, torch.tensor(127.0, dtype=torch.float32) / torch.where(ok, a, 1.0), 0.0)
+    q = torch.round(g * inv).clamp(-127, 127)
+    s = torch.where(ok | (a == 0), a / torch.tensor(127.0, dtype=torch.float32), torch.nan)
+    return (q.to(torch.float64) * s.to(torch.float64)).reshape(shape).to(dtype)
 
 
 def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,8 @@
 """Expert placement under a Plan: host banks, the device slot cache, the hybrid split, the NVMe tier.
 
 Backends implement routed(layer, m [T, H], ids [T, K], wts [T, K]) -> [T, H] and shared(layer, m).
-  ReferenceExperts  every expert dequantized with plain torch (the ground truth, float64 by default)
+  ReferenceExperts  every expert dequantized with plain torch (the ground truth, float64 by default), its
+                    inputs quantized per 32-block to int8 as every path's are (kernels/formats.py)
   PlacedExperts     the plan's placement:
     host bank     per layer, the first experts up to host_expert_budget_gib (all by default), as ds_fp4
                   banks computed by the numba kernel; experts beyond it live on NVMe and are read on
@@ -31,6 +32,7 @@ import torch
 from hostinfo import clamp_threads
 from runtime.budget import NVME_BATCH
 from kernels.cpu_moe import Fp4Bank, expert_ffn
+from kernels.formats import dequantize_mxfp4, quantize_act
 from runtime.checkpoint.reader import Checkpoint
 from runtime.io_reader import BatchedReader
 from runtime.model.weights import expert_from_span, expert_raw, expert_span
@@ -46,7 +48,6 @@ class ReferenceExperts:
 
     def _w(self, prefix):
         if prefix not in self._cache:
-            from kernels.formats import dequantize_mxfp4
             raw = expert_raw(self.ck, prefix)
             self._cache[prefix] = [dequantize_mxfp4(torch.from_numpy(np.array(c)), torch.from_numpy(np.array(s)), self.dtype)
                                    for c, s in (raw["w1"], raw["w3"], raw["w2"])]
@@ -54,7 +55,8 @@ class ReferenceExperts:
 
     def _ffn(self, prefix, x):
         w1, w3, w2 = self._w(prefix)
-        return (torch.nn.functional.silu(x @ w1.T) * (x @ w3.T)) @ w2.T
+        x = quantize_act(x)                          # the int8-per-32 expert inputs every path uses
+        return quantize_act(torch.nn.functional.silu(x @ w1.T) * (x @ w3.T)) @ w2.T
 
     def routed(self, layer, m, ids, wts):
         y = torch.zeros_like(m)
@@ -119,9 +121,9 @@ class TritonSlots:
             for j, (t, _) in enumerate(groups[s]):
                 xs[m, j] = xt[t]
         sl = torch.tensor(slots, device=self.device)
-        h = fp4_slot_matmul(xs, self.w13c, self.w13s, sl)                          # [M, Tm, 2I]
+        h = fp4_slot_matmul(quantize_act(xs), self.w13c, self.w13s, sl)            # [M, Tm, 2I]
         a = torch.nn.functional.silu(h[..., :self.I]) * h[..., self.I:]
-        d = fp4_slot_matmul(a.contiguous(), self.w2c, self.w2s, sl)                 # [M, Tm, H]
+        d = fp4_slot_matmul(quantize_act(a).contiguous(), self.w2c, self.w2s, sl)   # [M, Tm, H]
         for m, s in enumerate(slots):
             for j, (t, k) in enumerate(groups[s]):
                 y[t] += float(wts[t, k]) * d[m, j]

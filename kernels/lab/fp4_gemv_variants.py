@@ -7,7 +7,9 @@ gate/up geometry). Variants:
   v0  plain numba loops, 16-entry LUT per nibble, scalar scale per group
   v1  SIMD intrinsic, 1 row per x load, rows in order
   v2  SIMD intrinsic, 4 consecutive rows per x load
-  v3  SIMD intrinsic, 4 rows a quarter-chunk apart per x load (4 DRAM streams per thread) -> package
+  v3  SIMD intrinsic, 4 rows a quarter-chunk apart per x load (4 DRAM streams per thread)
+  v4  v3's row layout on int8 inputs: nibble -> byte shuffle, integer dot products (VNNI `vpdpbusd`, or
+      `vpmaddubsw` + `vpmaddwd`), one convert and two FP ops per 64 code bytes -> package
 The package (kernels/cpu_moe.py) imports only the winner. Results and notes: kernels/lab/README.md.
 """
 from __future__ import annotations
@@ -20,7 +22,8 @@ from numba import njit, prange
 
 from hostinfo import llc_bytes, probe_budget_bytes, usable_cores
 from hostinfo.measure import measure
-from kernels.cpu_moe import E2M1_F32, LANES, STAB
+from kernels.cpu_moe import E2M1_F32, LANES, MODE, STAB, _prepare
+from kernels.fp4_i8 import fp4_i8_dot
 from kernels.formats import dequantize_mxfp4
 from kernels.fp4_simd import fp4_dot
 from kernels.stream import dram_stream_read
@@ -68,6 +71,17 @@ def v3(cf, sf, xd, out, row0, nrows, stab):
                     stab, H // 32, out, r - row0, 0, q)
 
 
+@njit(parallel=True, nogil=True)
+def v4(cf, sf, xp, out, row0, nrows, stab):
+    q = CHUNK // 4
+    xq, xc, xr = xp
+    for c in prange(nrows // CHUNK):
+        for i in range(q):
+            r = row0 + c * CHUNK + i
+            fp4_i8_dot(4, 1, MODE, cf, r * (H // 2), q * (H // 2), sf, r * (H // 32), q * (H // 32), xq.reshape(-1),
+                       xc.reshape(-1), xr.reshape(-1), 0, H, out, r - row0, 0, q)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=usable_cores())
@@ -90,7 +104,8 @@ def main(argv=None):
     if LANES:                                                  # the SIMD variants need avx2 / avx512
         variants += [("v1 simd 1 row", v1, (codes.reshape(-1), scales.reshape(-1), xd)),
                      ("v2 simd 4 rows", v2, (codes.reshape(-1), scales.reshape(-1), xd)),
-                     ("v3 simd 4 spaced rows", v3, (codes.reshape(-1), scales.reshape(-1), xd))]
+                     ("v3 simd 4 spaced rows", v3, (codes.reshape(-1), scales.reshape(-1), xd)),
+                     ("v4 int8 4 spaced rows", v4, (codes.reshape(-1), scales.reshape(-1), _prepare(x[None], np.zeros(1, np.int64))))]
     else:
         print("scalar ISA: only v0 (the SIMD variants need avx2 or avx512)")
     for name, f, a in variants:

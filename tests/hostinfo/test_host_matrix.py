@@ -22,7 +22,7 @@ from runtime.checkpoint.reader import Checkpoint
 
 CASE = Path(__file__).with_name("host_case.py")
 NATIVE = isa()
-WIDER = {"scalar": 0, "avx2": 1, "avx512": 2}
+WIDER = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512vnni": 3}
 
 
 def run_case(ck: Path, out: Path, env: dict) -> dict:

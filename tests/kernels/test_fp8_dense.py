@@ -79,7 +79,7 @@ print(float(np.linalg.norm(ys[0] - ref) / np.linalg.norm(ref)), all(np.array_equ
 
 @pytest.mark.parametrize("path", ["avx512", "avx2", "scalar"])
 def test_every_isa_path_and_thread_count(path):
-    order = ["scalar", "avx2", "avx512"]
+    order = ["scalar", "avx2", "avx512", "avx512vnni"]
     if order.index(path) > order.index(isa()):
         pytest.skip(f"this CPU's widest path is {isa()}, not {path}")
     env = dict(os.environ, DSV41_CPU_ISA=path, NUMBA_NUM_THREADS="4")

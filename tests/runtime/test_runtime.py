@@ -1,8 +1,11 @@
 """The placed runtime against the float64 reference on the tiny checkpoint.
 
-Tolerance: the runtime computes in float32 (the ds_fp4 kernel accumulates in fp32), the reference in
-float64; logits agree to ~3e-6 here, we allow 1e-4. Prompts are chosen so the reference's top-1/top-2
-margin stays above 20x that tolerance at every step, and so at least 16 distinct tokens come out.
+Tolerance: the runtime computes in float32, the reference in float64. Both quantize every expert input
+to int8 per 32-block (kernels/formats.py quantize_act); where the two precisions put an input on opposite
+sides of a rounding boundary it moves by one int8 step (1/127 of its block's max). Logits agree to
+~3e-6 without such flips and to ~7e-4 with them (measured here over 64 steps); we allow 1.5e-3. Prompts
+are chosen so the reference's top-1/top-2 margin stays above 5x that tolerance at every step (two
+runs within the tolerance then pick the same token), and so at least 16 distinct tokens come out.
 """
 import itertools
 import json
@@ -19,7 +22,7 @@ from runtime.engine import Engine
 from runtime.plan import Plan
 from runtime.workload import make_prompt
 
-TOL = 1e-4
+TOL = 1.5e-3
 STEPS = 64
 
 
@@ -41,7 +44,7 @@ def case(ck, ref):
         prompt = make_prompt(tok, 40, seed=seed)
         r = ref.generate(prompt, STEPS, keep_logits=True)
         margin = min(float(v[0] - v[1]) for v in (torch.topk(l, 2).values for l in r.logits))
-        if margin > 20 * TOL and len(set(r.tokens)) >= 16:
+        if margin > 5 * TOL and len(set(r.tokens)) >= 16:
             return prompt, r
     pytest.fail("no prompt with a safe greedy margin among 20 seeds")
 
