@@ -3,11 +3,13 @@
   python benchmarks/profiler_vs_tools.py [--depths 1 2 4 8 16 32 64] [--seconds 3] [--json]
 
 NVMe: the profiler's random 4 KiB O_DIRECT probe (the runtime's BatchedReader) against fio on the same
-file at the same depths: `--ioengine=libaio --iodepth=D` and `--ioengine=psync --numjobs=D` are the
-like-for-like references (D reads in flight), io_uring is printed beside. DRAM: the profiler's stream
-probe against a compiled C/OpenMP read reduction over the same buffer size (benchmarks/ref/stream_read.c,
-built here with gcc). Each line prints the ratio probe / reference. Goals: within 15% of fio at every
-depth, within 10% of the reference for DRAM. fio comes from Debian (`apt-get install fio`).
+file at the same depths: `--ioengine=libaio --iodepth=D`, `--ioengine=io_uring --iodepth=D` and
+`--ioengine=psync --numjobs=D` (D reads in flight); the ratio is to the better engine. DRAM: the
+profiler's stream probe against a compiled C/OpenMP read reduction over the same buffer size
+(benchmarks/ref/stream_read.c, built here with gcc) and likwid-bench's load kernels (every width it
+has, on the same thread count and size) where installed, all interleaved over `--rounds` rounds;
+medians compared. Goals (issue "speed on every ISA"): NVMe >= 0.90 of the better fio engine at every
+depth, DRAM within 10% of both references. fio and likwid come from Debian (`apt-get install fio likwid`).
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np  # noqa: E402
+
 from hostinfo import usable_cores  # noqa: E402
 from autotune.probes import nvme  # noqa: E402
 from kernels.stream import dram_stream_read, stream_buffer_bytes  # noqa: E402
@@ -35,11 +39,57 @@ def fio(path, engine, depth, seconds):
     return out["jobs"][0]["read"]["iops"]
 
 
+def likwid(threads, nbytes):
+    """-> {kernel: GB/s} for likwid-bench's read kernels on `threads` threads over `nbytes` (those that run here)."""
+    out = {}
+    for kernel in ("load_avx512", "load_avx", "load"):
+        r = subprocess.run(["likwid-bench", "-t", kernel, "-w", f"N:{nbytes // 2**20}MB:{threads}"],
+                           capture_output=True, text=True)
+        rates = [float(line.split()[-1]) for line in r.stdout.splitlines() if line.startswith("MByte/s")]
+        if r.returncode == 0 and rates:
+            out[kernel] = rates[0] / 1e3
+    return out
+
+
+def dram_vs_tools(threads, rounds):
+    """Probe, C reference and likwid-bench in turn, `rounds` times; medians and ratios."""
+    nbytes, _ = stream_buffer_bytes()
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = Path(tmp) / "stream_read"
+        src = Path(__file__).parent / "ref" / "stream_read.c"
+        if subprocess.run(["gcc", "-O3", "-march=native", "-ffast-math", "-fopenmp", str(src), "-o", str(exe)],
+                          capture_output=True).returncode != 0:
+            print("gcc with OpenMP unavailable: DRAM comparison skipped")
+            return None
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), OMP_PROC_BIND="spread")
+        has_likwid = shutil.which("likwid-bench") is not None
+        if not has_likwid:
+            print("likwid-bench is not installed (apt-get install likwid): compared with the C reference only")
+        probe, cref, lk = [], [], []
+        for _ in range(rounds):
+            m = dram_stream_read(threads, nbytes, repeats=2)
+            probe += m.samples
+            lines = subprocess.run([str(exe), str(nbytes), "2"], capture_output=True, text=True, env=env, check=True).stdout.split("\n")
+            cref += [max(float(a.split()[1]), float(b.split()[1])) for a, b in zip(lines[0::2], lines[1::2]) if a and b]
+            if has_likwid:
+                lk.append(max(likwid(threads, nbytes).values(), default=float("nan")))
+    med = lambda v: float(np.median(v)) if v else float("nan")  # noqa: E731
+    dram = {"threads": threads, "buffer_bytes": nbytes, "probe_gbs": probe, "c_reference_gbs": cref, "likwid_gbs": lk,
+            "probe_layout": m.extra.get("streams_per_thread"), "probe_median": med(probe),
+            "c_reference_median": med(cref), "likwid_median": med(lk),
+            "ratio_c_reference": med(probe) / med(cref), "ratio_likwid": med(probe) / med(lk) if lk else None}
+    print(f"DRAM stream read, {threads} threads, {nbytes / 2**30:.1f} GiB, {rounds} rounds (medians): probe "
+          f"{dram['probe_median']:.2f} GB/s ({dram['probe_layout']} stream(s)/thread); C/OpenMP {dram['c_reference_median']:.2f} "
+          f"(ratio {dram['ratio_c_reference']:.2f})" + (f"; likwid-bench {dram['likwid_median']:.2f} (ratio {dram['ratio_likwid']:.2f})" if lk else ""))
+    return dram
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--depths", type=int, nargs="+", default=list(nvme.DEPTHS))
     ap.add_argument("--seconds", type=int, default=3)
     ap.add_argument("--dir", default=".", help="directory on the filesystem to probe (a 1 GiB scratch file)")
+    ap.add_argument("--rounds", type=int, default=5, help="DRAM: interleaved rounds of probe, C reference, likwid")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     rows = []
@@ -48,38 +98,20 @@ def main(argv=None):
         if shutil.which("fio") is None:
             print("fio is not installed (apt-get install fio): NVMe comparison skipped")
         else:
-            print(f"{'QD':>3} {'probe IOPS':>11} {'fio libaio':>11} {'fio psync':>10} {'io_uring':>9}  probe/libaio  probe/psync")
+            print(f"{'QD':>3} {'probe IOPS':>11} {'fio libaio':>11} {'io_uring':>9} {'psync':>9}  probe/best")
             for d in args.depths:
                 ours = nvme.randread_4k(path, d, max(4000, 8000 * min(d, 8)))["iops"]
-                ref = {e: fio(path, e, d, args.seconds) for e in ("libaio", "psync", "io_uring")}
+                ref = {e: fio(path, e, d, args.seconds) for e in ("libaio", "io_uring", "psync")}
+                best = max(ref, key=ref.get)
                 r = {"qd": d, "probe_iops": ours, **{f"fio_{e}_iops": v for e, v in ref.items()},
-                     "ratio_libaio": ours / ref["libaio"], "ratio_psync": ours / ref["psync"]}
+                     "best_engine": best, "ratio_best": ours / ref[best]}
                 rows.append(r)
-                print(f"{d:>3} {ours:>11,.0f} {ref['libaio']:>11,.0f} {ref['psync']:>10,.0f} {ref['io_uring']:>9,.0f}"
-                      f"  {r['ratio_libaio']:>11.2f}  {r['ratio_psync']:>11.2f}")
+                print(f"{d:>3} {ours:>11,.0f} {ref['libaio']:>11,.0f} {ref['io_uring']:>9,.0f} {ref['psync']:>9,.0f}"
+                      f"  {r['ratio_best']:>9.2f} ({best})")
     finally:
         if scratch:
             path.unlink(missing_ok=True)
-    (nbytes, _), threads = stream_buffer_bytes(), usable_cores()
-    dram = None
-    with tempfile.TemporaryDirectory() as tmp:
-        exe = Path(tmp) / "stream_read"
-        src = Path(__file__).parent / "ref" / "stream_read.c"
-        ok = subprocess.run(["gcc", "-O3", "-march=native", "-ffast-math", "-fopenmp", str(src), "-o", str(exe)],
-                            capture_output=True).returncode == 0
-        if ok:
-            env = dict(os.environ, OMP_NUM_THREADS=str(threads), OMP_PROC_BIND="spread")
-            lines = subprocess.run([str(exe), str(nbytes), "7"], capture_output=True, text=True, env=env, check=True).stdout.split("\n")
-            ref = {k: sorted(float(line.split()[1]) for line in lines if line.startswith(k)) for k in ("one", "four")}
-            best = max(ref["one"][-1], ref["four"][-1])
-            probe = dram_stream_read(threads, nbytes)
-            dram = {"probe_gbs": probe.median, "probe_max_gbs": probe.max, "reference_one_stream_best": ref["one"][-1],
-                    "reference_four_streams_best": ref["four"][-1], "ratio": probe.median / best}
-            print(f"DRAM stream read, {threads} threads, {nbytes / 2**30:.1f} GiB: probe {probe.median:.2f} GB/s (max {probe.max:.2f}); "
-                  f"C/OpenMP best-of-7: one stream/thread {ref['one'][-1]:.2f}, four streams/thread {ref['four'][-1]:.2f} GB/s; "
-                  f"ratio to the better {dram['ratio']:.2f}")
-        else:
-            print("gcc with OpenMP unavailable: DRAM comparison skipped")
+    dram = dram_vs_tools(usable_cores(), args.rounds)
     if args.json:
         print(json.dumps({"nvme": rows, "dram": dram}))
 

@@ -1,9 +1,16 @@
 """DRAM stream read: the figure every CPU-side ratio is held against.
 
-A numba parallel reduction (4 sub-streams per thread) over a float32 buffer of at least 4x the total
-last-level cache (every domain) and 2 GiB, within the probe memory budget (hostinfo), one contiguous
-share per thread; the buffer is touched first (no page faults in the timed runs). GB/s = buffer
-bytes / time.
+A numba parallel reduction over a float32 buffer of at least 4x the total last-level cache (every
+domain) and 2 GiB, within the probe memory budget (hostinfo), one contiguous share per thread, read
+with explicit 64-byte vector loads (LLVM's auto-vectorizer picked 256-bit ones, ~20% less from DRAM on
+one Xeon). The buffer is touched first (no page faults in the timed runs); numpy asks the kernel for
+transparent huge pages on it (madvise) where the OS offers them.
+
+Which access pattern reads fastest differs by CPU: four interleaved streams per thread beat one by
+1.6x on an Emerald Rapids VM, one stream per thread beats four by 1.5x on a Zen 4 (EPYC) VM (both
+measured, kernels/lab/README.md). So every pattern in LAYOUTS is measured, interleaved round by round,
+and the figure is the best pattern's samples (the others are kept in `extra`). GB/s = buffer bytes /
+time.
 """
 from __future__ import annotations
 
@@ -17,47 +24,54 @@ from hostinfo import llc_bytes, probe_budget_bytes
 from hostinfo.measure import Measurement, measure
 from kernels.threads import set_threads
 
+LAYOUTS = (1, 2, 4)          # interleaved sub-streams per thread
 
 class BufferTooSmall(ValueError):
     pass
 
 
 @intrinsic
-def _vsum4(typingctx, a, base, q):
-    """Sum a[base : base + 4q] as four interleaved streams of 64-byte loads (<16 x float>, explicit:
-    LLVM's auto-vectorizer picks 256-bit vectors here, which reads ~20% less from DRAM than 512-bit
-    loads do on this CPU), one vector accumulator per stream. q must be a multiple of 16."""
-    sig = types.float32(a, base, q)
+def _vsum(typingctx, a, base, q, S_t):
+    """Sum a[base : base + S q] as S interleaved streams of 64-byte loads (<16 x float>), one vector
+    accumulator per stream. q must be a multiple of 16; S a literal."""
+    S = S_t.literal_value if isinstance(S_t, types.IntegerLiteral) else None
+    if S is None:
+        return None
+    sig = types.float32(a, base, q, S_t)
 
     def codegen(context, builder, signature, args):
-        arr, base_v, q_v = args
+        arr, base_v, q_v, _ = args
         f32 = ir.FloatType()
         vf = ir.VectorType(f32, 16)
         data = context.make_array(signature.args[0])(context, builder, arr).data
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * 16)) for _ in range(4)]
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * 16)) for _ in range(S)]
         with cgutils.for_range(builder, builder.udiv(q_v, ir.Constant(q_v.type, 16))) as loop:
             i16 = builder.mul(loop.index, ir.Constant(q_v.type, 16))
-            for k in range(4):
+            for k in range(S):
                 off = builder.add(builder.add(base_v, builder.mul(q_v, ir.Constant(q_v.type, k))), i16)
                 v = builder.load(builder.bitcast(builder.gep(data, [off]), vf.as_pointer()), align=4)
                 builder.store(builder.fadd(builder.load(accs[k]), v), accs[k])
         red = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, vf]), "llvm.vector.reduce.fadd.v16f32")
         tot = ir.Constant(f32, 0.0)
-        for k in range(4):
+        for k in range(S):
             tot = builder.fadd(tot, builder.call(red, [ir.Constant(f32, 0.0), builder.load(accs[k])]))
         return tot
     return sig, codegen
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _sum_streams(a, nthreads):
-    """Each thread sums its contiguous share as 4 interleaved sub-streams: one sequential stream per
-    thread leaves DRAM bandwidth unused here (7.4 vs 11.8 GB/s on one thread, measured)."""
+def _sum_streams(a, nthreads, streams):
+    """Each thread sums its contiguous share as `streams` (1, 2 or 4) interleaved sub-streams."""
     n = a.shape[0] // nthreads
-    q = n // 4 // 16 * 16
+    q = n // streams // 16 * 16
     part = np.zeros(nthreads, np.float32)
     for b in prange(nthreads):
-        part[b] = _vsum4(a, b * n, q)
+        if streams == 1:
+            part[b] = _vsum(a, b * n, q, 1)
+        elif streams == 2:
+            part[b] = _vsum(a, b * n, q, 2)
+        else:
+            part[b] = _vsum(a, b * n, q, 4)
     return part.sum()
 
 
@@ -73,7 +87,9 @@ def stream_buffer_bytes(min_bytes: int = 2 << 30) -> tuple[int, str]:
 
 
 def dram_stream_read(threads: int, nbytes: int | None = None, repeats: int = 7) -> Measurement:
-    """GB/s read by `threads`; an explicit `nbytes` under 4x the LLC is refused (it would measure the cache)."""
+    """GB/s read by `threads`: every layout in LAYOUTS, `repeats` rounds (each round runs every layout
+    once, so drift hits all alike), the best layout's samples; extra: the layout and every layout's
+    median. An explicit `nbytes` under 4x the LLC is refused (it would measure the cache)."""
     note = ""
     if nbytes is None:
         nbytes, note = stream_buffer_bytes()
@@ -82,9 +98,17 @@ def dram_stream_read(threads: int, nbytes: int | None = None, repeats: int = 7) 
                              f"({llc_bytes() / 2**20:.0f} MiB): the probe would measure the cache, not DRAM")
     a = np.ones(nbytes // 4, np.float32)
     set_threads(threads)
-    m = measure(lambda: _sum_streams(a, threads), repeats=repeats, warmup=1)
-    return Measurement(m.map(lambda s: nbytes / s / 1e9, "GB/s").samples, "GB/s", note=note,
-                       extra={"buffer_bytes": nbytes})
+    samples = {S: [] for S in LAYOUTS}
+    for S in LAYOUTS:                                          # compile and warm every layout
+        _sum_streams(a, threads, S)
+    for _ in range(repeats):
+        for S in LAYOUTS:
+            samples[S] += measure(lambda S=S: _sum_streams(a, threads, S), repeats=1, warmup=0).samples
+    gbs = {S: sorted(nbytes / t / 1e9 for t in v) for S, v in samples.items()}
+    best = max(LAYOUTS, key=lambda S: np.median(gbs[S]))
+    return Measurement(tuple(nbytes / t / 1e9 for t in samples[best]), "GB/s", note=note,
+                       extra={"buffer_bytes": nbytes, "streams_per_thread": best,
+                              "layout_median_gbs": {str(S): round(float(np.median(v)), 2) for S, v in gbs.items()}})
 
 
 @njit(parallel=True, nogil=True, cache=True)
