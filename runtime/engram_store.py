@@ -40,7 +40,7 @@ def gather_rows(reader: BatchedReader, path: str, base: int, rows: np.ndarray, n
     off = base + rows.astype(np.int64) * nbytes
     first, last = off // BLOCK, (off + nbytes - 1) // BLOCK
     blocks = np.unique(np.concatenate([first, last]))
-    buf = reader.read_blocks(path, blocks)
+    buf = reader.read_blocks(path, blocks, reuse=True)                   # copied out below
     at = np.searchsorted(blocks, first) * BLOCK + off % BLOCK
     return buf[at[:, None] + np.arange(nbytes)], len(blocks)
 

@@ -231,7 +231,7 @@ class PlacedExperts:
             bank = Fp4Bank.from_experts(raws)           # the copy is the read
         else:                                           # O_DIRECT batched reads, sliced per tensor
             spans = [expert_span(self.ck, p) for p in prefixes]
-            blobs = self.reader.read(spans)
+            blobs = self.reader.read(spans, reuse=True)                 # from_experts copies them
             bank = Fp4Bank.from_experts([expert_from_span(self.ck, p, b, s[1]) for p, b, s in zip(prefixes, blobs, spans)])
         self.nvme_bytes[self.plan.expert_nvme_path] += len(experts) * self.cfg.expert_bytes
         self.seconds["nvme_read"] += time.perf_counter() - t0

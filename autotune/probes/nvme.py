@@ -68,18 +68,18 @@ def randread_4k(path: Path, depth: int, n_reads: int, seed: int = 0, direct: boo
     lat: list = []
     iops = []
     try:
-        r.read([(str(path), int(o), BLOCK) for o in offs[per * repeats:]])   # warm-up (opens, threads)
+        r.read([(str(path), int(o), BLOCK) for o in offs[per * repeats:]], reuse=True)   # warm-up (opens, threads)
         for k in range(repeats):
             batch = [(str(path), int(o), BLOCK) for o in offs[k * per:(k + 1) * per]]
             t0 = time.perf_counter()
-            r.read(batch, latencies=lat)
+            r.read(batch, latencies=lat, reuse=True)
             iops.append(per / (time.perf_counter() - t0))
     finally:
         r.close()
     us = np.array(lat) * 1e6
     return {"qd": depth, "iops": float(np.median(iops)), "min": float(min(iops)), "max": float(max(iops)), "samples": iops,
             "p50_us": float(np.percentile(us, 50)), "p95_us": float(np.percentile(us, 95)),
-            "io_path": r.path, "fallback": r.fallback_reason}
+            "io_path": r.path, "fallback": r.fallback_reason, "engine": r.engine_used, "aio_refusal": r.aio_refusal}
 
 
 def engram_pattern(path: Path, depth: int, tokens: int, rows_per_token: int = 48, row_bytes: int = 264, seed: int = 1) -> dict:
@@ -95,9 +95,9 @@ def engram_pattern(path: Path, depth: int, tokens: int, rows_per_token: int = 48
             for tok in rows:
                 if mode == "serial":
                     for o in tok:
-                        r.read([(str(path), int(o), row_bytes)])
+                        r.read([(str(path), int(o), row_bytes)], reuse=True)
                 else:
-                    r.read([(str(path), int(o), row_bytes) for o in tok])
+                    r.read([(str(path), int(o), row_bytes) for o in tok], reuse=True)
             out[f"{mode}_ms_per_token"] = (time.perf_counter() - t0) / tokens * 1e3
         finally:
             r.close()
@@ -112,7 +112,7 @@ def prefill_rows(path: Path, depth: int, n_rows: int, row_bytes: int = 264, seed
     r = BatchedReader(depth=depth)
     try:
         t0 = time.perf_counter()
-        r.read([(str(path), int(b) * BLOCK, BLOCK) for b in blocks])
+        r.read([(str(path), int(b) * BLOCK, BLOCK) for b in blocks], reuse=True)
         dt = time.perf_counter() - t0
     finally:
         r.close()
@@ -127,7 +127,7 @@ def seq_read(path: Path, block_bytes: int, n_blocks: int, depth: int = 4) -> Mea
     try:
         for i in range(n):
             t0 = time.perf_counter()
-            r.read([(str(path), (i * block_bytes) % (size - block_bytes), block_bytes)])
+            r.read([(str(path), (i * block_bytes) % (size - block_bytes), block_bytes)], reuse=True)
             samples.append(block_bytes / (time.perf_counter() - t0) / 1e9)
     finally:
         r.close()
@@ -144,7 +144,7 @@ def software_ceiling(path: Path, n_reads: int, depth: int) -> dict:
     r = BatchedReader(depth=depth, direct=False)
     try:
         t0 = time.perf_counter()
-        r.read([(str(path), int(o), BLOCK) for o in offs])
+        r.read([(str(path), int(o), BLOCK) for o in offs], reuse=True)
         dt = time.perf_counter() - t0
     finally:
         r.close()

@@ -32,9 +32,15 @@ def _rows(ck):
 
 
 def _eio(monkeypatch):
-    """Every pread fails: the compiled batch reports errors, the slow path's preadv raises EIO."""
+    """Every read fails: the compiled batch (threads) and the io_uring / kernel AIO batches report errors, the slow
+    path's preadv raises EIO."""
     def failing_batch(fds, base, offs, dests, sizes, got, ns, timed, ts):
         got[:] = -1
+
+    def failing_aio(self, fds, base, offs, dests, sizes, got, ns, timed):
+        got[:] = -errno.EIO
+    monkeypatch.setattr(io_reader.AioContext, "read", failing_aio)
+    monkeypatch.setattr(io_reader.UringContext, "read", failing_aio)
 
     def eio(*a):
         raise OSError(errno.EIO, "Input/output error")
