@@ -4,8 +4,9 @@
 
 For each thread count: DRAM stream read (buffer >= 4x LLC) and the kernel at batch 1 (1 token x top-6)
 over a bank >= 4x LLC, fresh experts every step, interleaved in rounds. Geometries: V4.1 (5120x2304,
-18.80 MB/expert), V4-Flash (4096x2048) and a small one (2048x768). Also, on V4.1: a 6-token DSpark
-verify whose experts overlap (GB/s of distinct expert bytes), the naive baseline (torch: dequantize to
+18.80 MB/expert), V4-Flash (4096x2048) and a small one (2048x768). Also, on V4.1: widths 2-8 (GB/s of
+distinct expert bytes), as a DSpark verify whose tokens' experts overlap (top-6 of a pool of 10) and
+as a continuous batch of independent tokens (top-6 of the whole bank), the naive baseline (torch: dequantize to
 float, then matmul) and prefill widths (tokens per expert) for the GEMV kernel and the dense path
 (dequantize a tile + torch bf16 matmul), in GB/s and GFLOP/s (2 * 3 * H * I * tokens per expert).
 kernel GB/s = expert bytes moved / time. With --json the last line is one JSON object.
@@ -52,7 +53,7 @@ def decode_step(bank, T=1, pool=None):
             return ((np.arange(6) + 6 * i) % E)[None].repeat(T, 0)
     else:                                              # verify: T tokens' top-6 drawn from `pool` experts
         def ids_at(i):
-            base = (pool * i) % (E - pool)
+            base = (pool * i) % max(1, E - pool)
             return np.stack([base + rng.choice(pool, 6, replace=False) for _ in range(T)])
     plan = [ids_at(i) for i in range(64)]
 
@@ -120,14 +121,17 @@ def main(argv=None):
         if name == "v4.1":
             t = max(args.threads)
             numba.set_num_threads(t)
-            ver = decode_step(bank, T=6, pool=10)
-            m = measure(ver, repeats=steps, warmup=2)
             s_med = float(np.median(stream[t]))
-            r = row(geometry=name, shape=f"{H}x{I}", tokens=6, threads=t, kernel_gbs=gbs(m, ver.bytes),
-                    stream_gbs=round(s_med, 3), note="6-token verify, experts from a pool of 10 (GB/s of distinct experts)")
-            r["ratio"] = round(r["kernel_gbs"] / s_med, 3)
-            rows.append(r)
-            print(f"{name:9s} verify 6 threads {t}: kernel {r['kernel_gbs']:6.2f} GB/s  ratio {r['ratio']:.2f}", flush=True)
+            for W in (2, 4, 6, 8):                            # DSpark verify / continuous batching widths
+                for pool, what in ((10, "verify: experts from a pool of 10"), (bank.n_experts, "batch: independent tokens")):
+                    ver = decode_step(bank, T=W, pool=pool)
+                    m = measure(ver, repeats=max(4, steps // 2), warmup=2)
+                    r = row(geometry=name, shape=f"{H}x{I}", tokens=W, threads=t, kernel_gbs=gbs(m, ver.bytes),
+                            stream_gbs=round(s_med, 3), pool=pool, note=f"{W}-token {what} (GB/s of distinct experts)")
+                    r["ratio"] = round(r["kernel_gbs"] / s_med, 3)
+                    rows.append(r)
+                    print(f"{name:9s} width {W} {'verify' if pool == 10 else 'batch ':6s} threads {t}: kernel {r['kernel_gbs']:6.2f} GB/s"
+                          f"  ratio {r['ratio']:.2f}", flush=True)
             # naive baseline: torch dequantize to float then matmul, one token x 6 experts
             x = torch.randn(1, H)
             def naive(state={"i": 0}):

@@ -101,11 +101,13 @@ def main(argv=None):
            "stream_gbs": stream.median, "cpu_moe_kernel_gbs": kernel_gbs, "dense_gemv_gbs": dense_gbs,
            "bytes_per_token_footprint": bytes_tok, "dense_bytes_runtime": dense_bytes_rt,
            "prefill_bound": "flop" if t_flop > t_bytes else "bytes", "threads": T,
-           "phases_per_token_s": {k: v / (args.max_tokens - 1) for k, v in runs[-1].phases.items()}}
+           "phases_per_token_s": {k: v / (args.max_tokens - 1) for k, v in runs[-1].phases.items() if not k.endswith("_us")},
+           "outside_phases_per_layer_us": runs[-1].phases["outside_phases_per_layer_us"]}
     print(f"decode  {decode:6.2f} tok/s | roofline {roof:6.2f} (stream {stream.median:.1f} GB/s / {bytes_tok / 1e9:.3f} GB) "
           f"ratio {out['decode_ratio']:.2f} | kernel-bound {1 / t_kernel:6.2f} ratio {out['decode_kernel_ratio']:.2f}")
     print(f"prefill {prefill:6.1f} tok/s | roofline {prefill_roof:6.1f} ({out['prefill_bound']}-bound) ratio {out['prefill_ratio']:.2f}")
-    print("per-token phases (s): " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(out["phases_per_token_s"].items())))
+    print("per-token phases (s): " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(out["phases_per_token_s"].items()))
+          + f"; outside every phase {out['outside_phases_per_layer_us']:.0f} us per layer")
     engine.close()
     if args.json:
         print(json.dumps(out))

@@ -29,6 +29,17 @@ from runtime.plan import Plan
 from runtime.tokenizer import compressed_vocab
 
 
+# The phases that do not nest in another (runtime/experts.py's cpu_moe, gather, ... run inside moe_layer_total).
+TOP_PHASES = ("attention", "dense", "moe_layer_total", "shared_moe", "engram_wait", "dspark_draft")
+
+
+def outside_phases(phases: dict, wall_s: float, layer_calls: int) -> dict:
+    """The wall time no phase covers: per-layer Python (dispatch between the kernels, the layer loop),
+    sampling, the residual stream. -> {"outside_phases": s, "outside_phases_per_layer_us": us}."""
+    rest = max(0.0, wall_s - sum(phases.get(p, 0.0) for p in TOP_PHASES))
+    return {"outside_phases": rest, "outside_phases_per_layer_us": rest / max(1, layer_calls) * 1e6}
+
+
 @dataclass
 class Result:
     tokens: list
@@ -166,6 +177,8 @@ class Engine:
             for c in range(0, len(prompt), chunk):
                 logits = model.forward(st, prompt[c:c + chunk], decoder_start=dec_start)
             prefill_phases = self._phases(reset=True)
+            prefill_phases.update(outside_phases(prefill_phases, time.perf_counter() - t0, cfg.num_hidden_layers * -(-len(prompt) // chunk)))
+            t_dec0 = time.perf_counter()
             if getattr(self.experts, "trace", None) is not None:
                 self.experts.trace.phase = "decode"
             cache = getattr(self.experts, "cache", None)
@@ -183,8 +196,10 @@ class Engine:
             steps.close()
         t_end = time.perf_counter()
         decode_s, n = t_end - t_first, len(out)
+        phases = self._phases(reset=True)
+        phases.update(outside_phases(phases, t_end - t_dec0, cfg.num_hidden_layers * max(1, spec.get("steps", n - 1) if spec else n - 1)))
         return Result(out, t_first - t0, (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
-                      len(prompt) / (t_first - t0), self._phases(reset=True), prefill_phases,
+                      len(prompt) / (t_first - t0), phases, prefill_phases,
                       self._decode_hit_rate(hm0),
                       st.indexer_peak_bytes,
                       budget.indexer_peak_bytes(self.footprint, chunk, len(prompt), torch.finfo(model.dtype).bits // 8),

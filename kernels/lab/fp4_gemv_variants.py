@@ -82,6 +82,26 @@ def v4(cf, sf, xp, out, row0, nrows, stab):
                        xc.reshape(-1), xr.reshape(-1), 0, H, out, r - row0, 0, q)
 
 
+@njit(parallel=True, nogil=True)
+def v5(cf, sf, xp, out, row0, nrows, stab):
+    xq, xc, xr = xp
+    for c in prange(nrows // CHUNK):
+        for i in range(CHUNK):
+            r = row0 + c * CHUNK + i
+            fp4_i8_dot(1, 1, MODE, cf, r * (H // 2), 0, sf, r * (H // 32), 0, xq.reshape(-1),
+                       xc.reshape(-1), xr.reshape(-1), 0, H, out, r - row0, 0, 0)
+
+
+@njit(parallel=True, nogil=True)
+def v6(cf, sf, xp, out, row0, nrows, stab):
+    xq, xc, xr = xp
+    for c in prange(nrows // CHUNK):
+        for i in range(0, CHUNK, 4):
+            r = row0 + c * CHUNK + i
+            fp4_i8_dot(4, 1, MODE, cf, r * (H // 2), H // 2, sf, r * (H // 32), H // 32, xq.reshape(-1),
+                       xc.reshape(-1), xr.reshape(-1), 0, H, out, r - row0, 0, 1)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=usable_cores())
@@ -105,7 +125,9 @@ def main(argv=None):
         variants += [("v1 simd 1 row", v1, (codes.reshape(-1), scales.reshape(-1), xd)),
                      ("v2 simd 4 rows", v2, (codes.reshape(-1), scales.reshape(-1), xd)),
                      ("v3 simd 4 spaced rows", v3, (codes.reshape(-1), scales.reshape(-1), xd)),
-                     ("v4 int8 4 spaced rows", v4, (codes.reshape(-1), scales.reshape(-1), _prepare(x[None], np.zeros(1, np.int64))))]
+                     ("v4 int8 4 spaced rows", v4, (codes.reshape(-1), scales.reshape(-1), _prepare(x[None], np.zeros(1, np.int64)))),
+                     ("v5 int8 1 row", v5, (codes.reshape(-1), scales.reshape(-1), _prepare(x[None], np.zeros(1, np.int64)))),
+                     ("v6 int8 4 adjacent rows", v6, (codes.reshape(-1), scales.reshape(-1), _prepare(x[None], np.zeros(1, np.int64))))]
     else:
         print("scalar ISA: only v0 (the SIMD variants need avx2 or avx512)")
     for name, f, a in variants:

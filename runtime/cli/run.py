@@ -105,7 +105,9 @@ def cmd_run(args) -> int:
         t.add_row(label, *(f.format(runs[n][key]) for n in runs))
     for part in ("prefill_phases", "phases"):
         for ph in sorted({k for r in runs.values() for k in r[part]}):
-            t.add_row(f"  {'prefill' if part == 'prefill_phases' else 'decode'} {ph} s", *(f"{runs[n][part].get(ph, 0):.3f}" for n in runs))
+            us = ph.endswith("_us")
+            t.add_row(f"  {'prefill' if part == 'prefill_phases' else 'decode'} {ph[:-3] if us else ph} {'us' if us else 's'}",
+                      *(f"{runs[n][part].get(ph, 0):.{0 if us else 3}f}" for n in runs))
     c = console()
     c.print(t)
     mt = Table(title="memory: planned (runtime/budget.py) vs measured")

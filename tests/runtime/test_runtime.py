@@ -325,3 +325,27 @@ def test_stream_yields_the_generated_tokens_and_stops_early(ck, case, dspark):
     assert [next(it) for _ in range(3)] == full.tokens[:3]
     it.close()
     assert e.generate(prompt, 16).tokens == full.tokens  # the engine is still whole
+
+
+def test_the_time_outside_every_phase_is_reported(ck, case):
+    """The decode and prefill phase tables add the wall time no phase covers (per-layer Python between
+    the kernels), in seconds and per layer call: the phases and it account for the request's wall time."""
+    import time
+    from runtime.engine import TOP_PHASES
+    prompt, _ = case
+    e = Engine(ck, Plan(prefill_chunk=16))
+    try:
+        t0 = time.perf_counter()
+        r = e.generate(prompt, 8)
+        wall = time.perf_counter() - t0
+    finally:
+        e.close()
+    covered = 0.0
+    for ph in (r.prefill_phases, r.phases):
+        assert ph["outside_phases"] > 0
+        covered += sum(ph.get(p, 0.0) for p in TOP_PHASES) + ph["outside_phases"]
+    assert 0.9 * wall < covered <= wall
+    L = ck.config.num_hidden_layers
+    assert r.phases["outside_phases_per_layer_us"] == pytest.approx(r.phases["outside_phases"] / (L * 7) * 1e6)
+    assert r.prefill_phases["outside_phases_per_layer_us"] == pytest.approx(
+        r.prefill_phases["outside_phases"] / (L * -(-len(prompt) // 16)) * 1e6)
