@@ -20,7 +20,7 @@ from numba import njit
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
-_syscall.argtypes = (ctypes.c_long,) * 6
+_syscall.argtypes = (ctypes.c_long,) * 7          # the number and up to six arguments
 _syscall.restype = ctypes.c_long
 _clock = _libc.clock_gettime
 _clock.argtypes = (ctypes.c_int, ctypes.c_void_p)
@@ -58,13 +58,13 @@ def _aio_batch(ctx, depth, fds, base, offs, dests, sizes, got, ns, timed, iocbs,
                 _clock(1, ts.ctypes.data)
                 for j in range(nxt, nxt + k):
                     ns[j] = ts[0] * 1_000_000_000 + ts[1]
-            r = _syscall(SYS_SUBMIT, ctx, k, pbase + 8 * nxt, 0, 0)
+            r = _syscall(SYS_SUBMIT, ctx, k, pbase + 8 * nxt, 0, 0, 0)
             if r <= 0:                                   # refused: leave the rest to the slow path
                 n = nxt
                 continue
             nxt += r
             inflight += r
-        r = _syscall(SYS_GETEVENTS, ctx, 1, depth, events.ctypes.data, 0)
+        r = _syscall(SYS_GETEVENTS, ctx, 1, depth, events.ctypes.data, 0, 0)
         if r < 0:
             return r
         if timed:
@@ -92,7 +92,7 @@ class AioContext:
         if NR is None:
             return None, f"kernel AIO syscalls unknown on {platform.machine()}"
         ctx = ctypes.c_ulong(0)
-        r = _syscall(NR[0], depth, ctypes.addressof(ctx), 0, 0, 0)
+        r = _syscall(NR[0], depth, ctypes.addressof(ctx), 0, 0, 0, 0)
         if r != 0:
             err = ctypes.get_errno()
             return None, f"io_setup refused ({err}: {__import__('os').strerror(err)})"
@@ -109,5 +109,5 @@ class AioContext:
 
     def close(self):
         if self.ctx:
-            _syscall(NR[1], self.ctx, 0, 0, 0, 0)
+            _syscall(NR[1], self.ctx, 0, 0, 0, 0, 0)
             self.ctx = 0

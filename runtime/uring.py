@@ -22,13 +22,7 @@ import os
 import numpy as np
 from numba import njit
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_syscall = _libc.syscall
-_syscall.argtypes = (ctypes.c_long,) * 7
-_syscall.restype = ctypes.c_long
-_clock = _libc.clock_gettime
-_clock.argtypes = (ctypes.c_int, ctypes.c_void_p)
-_clock.restype = ctypes.c_int
+from runtime.aio import _clock, _syscall
 
 SYS_SETUP, SYS_ENTER = 425, 426              # the same numbers on x86_64 and aarch64
 IORING_OP_READ = 22
