@@ -298,11 +298,15 @@ class PlacedExperts:
         else:
             n = round(self.plan.fetch_fraction * len(miss))
             to_dev, to_cpu = miss[:n], miss[n:]
+        dev_keys = hits + to_dev
+        if not dev_keys:                           # nothing for the device: the CPU share inline, no hand-off
+            y = self._cpu_part(layer, x, ids_np, w_np, to_cpu) if to_cpu else np.zeros_like(x)
+            self.seconds["moe_layer_total"] += time.perf_counter() - t_layer
+            return torch.from_numpy(y).to(device=m.device, dtype=m.dtype)
         y = np.zeros_like(x)
         fut = None
-        if to_cpu:
+        if to_cpu:                                 # overlapped with the device's share in the worker thread
             fut = self.pool.submit(self._cpu_part, layer, x, ids_np, w_np, to_cpu)
-        dev_keys = hits + to_dev
         if dev_keys and not self.cache.n:          # offload with no cache: transient staging banks
             t0 = time.perf_counter()
             for bank, group, rows in self._groups(layer, dev_keys):
