@@ -1,6 +1,6 @@
 """ds_fp4 x int8 dot products on the CPU, emitted as LLVM IR from a numba intrinsic.
 
-The float path (fp4_simd.fp4_dot) spends ~8 vector uops per 16 code bytes (zero-extend, shift, two
+The float kernel it replaced (kernels/lab/fp4_float_dot.py) spends ~8 vector uops per 16 code bytes (zero-extend, shift, two
 permutes, three FP ops) and is compute-bound at ~10 GB/s per core. Here an expert's input is quantized
 per 32-block to int8 (kernels/formats.py `quantize_act`, the arithmetic every expert path uses) and
 64 code bytes (128 weights) take: one load, a shift and two ANDs (nibbles), two byte shuffles

@@ -13,6 +13,8 @@ from runtime.plan import Plan
 
 GIB = 1 << 30
 IO_BLOCK = 4096       # an O_DIRECT read's unit (runtime/io_reader.py BLOCK)
+READ_ARENA_BYTES = 1 << 20   # a thread's reusable O_DIRECT read buffer (runtime/io_reader.py), reads up to this size
+READ_ARENA_THREADS = 2       # threads that read through one reader: the forward's and its worker's (or prefetch's)
 NVME_BATCH = 16       # NVMe-tier experts a call reads at once (runtime/experts.py): V4.1, 301 MB
 Q_BLOCK = 64          # attention queries per block (runtime/model/attention.py)
 FP8_TILE_ROWS = 256   # rows of an fp8 weight dequantized at once at prefill widths (kernels/fp8_dense.py TILE_ROWS)
@@ -193,6 +195,15 @@ def drafter_expert_bytes(plan: Plan, fp: Footprint) -> int:
     return fp.bytes_by_class["drafter"] - fp.drafter_dense_bytes if plan.dspark else 0
 
 
+def read_arena_bytes(plan: Plan, fp: Footprint) -> int:
+    """The reusable read buffers of the O_DIRECT readers a plan runs (runtime/io_reader.py `reuse`): the
+    NVMe expert tier's and Engram's, READ_ARENA_BYTES for each thread that reads through them."""
+    readers = (plan.host_expert_budget_gib is not None and plan.expert_nvme_path == "nvme_direct"
+               and resident_routed_bytes(plan, fp) < fp.routed_expert_bytes_total)
+    readers += bool(fp.engram_rows_total) and plan.engram_placement == "nvme_direct"
+    return int(readers) * READ_ARENA_THREADS * READ_ARENA_BYTES
+
+
 def resident_routed_bytes(plan: Plan, fp: Footprint) -> int:
     """Routed experts in the host banks: all, or whole experts up to host_expert_budget_gib."""
     routed = fp.routed_expert_bytes_total
@@ -206,7 +217,7 @@ def breakdown(plan: Plan, fp: Footprint, on_cpu: bool) -> dict:
     part. host_bytes and device_bytes are these sums; the cost model, admission, `dsv41-run` and
     `dsv41-checkpoint inspect --plan` all read them from here."""
     host = {"routed experts (host banks)": resident_routed_bytes(plan, fp), "Engram": engram_host_bytes(plan, fp),
-            "drafter experts": drafter_expert_bytes(plan, fp)}
+            "drafter experts": drafter_expert_bytes(plan, fp), "O_DIRECT read arenas": read_arena_bytes(plan, fp)}
     if on_cpu:
         host.update({"dense, shared experts, embeddings (as held)": dense_host_bytes(fp),
                      "drafter dense": fp.drafter_dense_bytes,

@@ -25,6 +25,7 @@ import numpy as np
 from numba import njit
 
 from hostinfo import o_direct_refusal
+from runtime.budget import READ_ARENA_BYTES
 from runtime.aio import AioContext
 from runtime.uring import UringContext
 
@@ -65,14 +66,15 @@ PIECE = 1 << 20          # large requests are split into 1 MiB pieces so depth a
 
 
 class BatchedReader:
-    def __init__(self, depth: int = 8, direct: bool = True, engine: str | None = None):
+    def __init__(self, depth: int = 8, direct: bool = True, engine: str | None = None,
+                 arena_bytes: int | None = READ_ARENA_BYTES):
         if depth < 1:
             raise ValueError(f"reader depth must be >= 1, got {depth}")
         self.engine = engine or os.environ.get("DSV41_IO_ENGINE", "auto")
         if self.engine not in ENGINES:
             raise ValueError(f"reader engine {self.engine!r} (or $DSV41_IO_ENGINE) must be one of {ENGINES}")
         self._aio, self._aio_name, self._tried, self.aio_refusal, self._aio_lock = None, "", False, "", threading.Lock()
-        self._local = threading.local()
+        self._local, self.arena_bytes = threading.local(), arena_bytes      # None: no cap (the probes)
         self.depth, self.want_direct = depth, direct
         self.pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="dsv41-io")
         self._fds: dict = {}
@@ -113,9 +115,10 @@ class BatchedReader:
     def read(self, requests: list[tuple[str, int, int]], latencies: list | None = None, reuse: bool = False) -> list[np.ndarray]:
         """-> one uint8 array per request (views into one page-aligned buffer that the reads fill in
         place: no copies). `latencies`, if given, receives each piece's read time in seconds (the
-        profiler's p50/p95). reuse: the buffer is this thread's arena, faulted in once and kept (a fresh
-        buffer's first-touch page faults cost O_DIRECT reads ~35% of their IOPS here); the views are
-        valid until this thread's next reuse read, for callers that copy what they read at once."""
+        profiler's p50/p95). reuse: a read of up to `arena_bytes` lands in this thread's arena, faulted in
+        once and kept (a fresh buffer's first-touch page faults cost O_DIRECT reads ~35% of their IOPS
+        here; runtime/budget.py counts the arenas); the views are valid until this thread's next reuse
+        read, for callers that copy what they read at once."""
         if not requests:
             return []
         big, view_at, length = self._read(requests, latencies, reuse)
@@ -160,7 +163,9 @@ class BatchedReader:
         a = o - o % BLOCK
         p_fd, p_off, p_len = fd_of[r], a, -(-(o + n) // BLOCK) * BLOCK - a
         p_dst = start[r] + a - a0[r]
-        big = self._arena(int(span.sum())) if reuse else _aligned(int(span.sum()))
+        need = int(span.sum())
+        arena = reuse and (self.arena_bytes is None or need <= self.arena_bytes)   # a capped arena: counted by the plan
+        big = self._arena(need) if arena else _aligned(need)
         mv = memoryview(big)
         addr = np.frombuffer(big, np.uint8).ctypes.data
         timed = latencies is not None

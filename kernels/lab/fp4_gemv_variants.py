@@ -25,7 +25,7 @@ from hostinfo.measure import measure
 from kernels.cpu_moe import E2M1_F32, LANES, MODE, STAB, _prepare
 from kernels.fp4_i8 import fp4_i8_dot
 from kernels.formats import dequantize_mxfp4
-from kernels.fp4_simd import fp4_dot
+from kernels.lab.fp4_float_dot import fp4_dot
 from kernels.stream import dram_stream_read
 from kernels.threads import set_threads
 

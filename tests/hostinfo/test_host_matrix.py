@@ -93,22 +93,18 @@ def test_isa_and_cache_shapes(tiny_dir, tmp_path, want_isa, env):
         assert "probe memory budget" in m["dram_stream_read_gbs"]["note"]
 
 
-def test_one_usable_core(tiny_dir, tmp_path):
-    env = {"DSV41_CORES": "1", "NUMBA_NUM_THREADS": "1", "DSV41_LLC_MIB": "32"}
-    r = run_case(tiny_dir, tmp_path, env)
-    check_common(r, env)
-    assert r["facts"]["usable_cores"] == 1 and r["host"]["hard"]["physical_cores"] == 1
-    assert {e["threads"] for e in r["measurements"]["cpu_moe_gbs"] if "threads" in e} == {1}
-
-
-def test_read_only_checkpoint_directory(tiny_dir, tmp_path):
+def test_one_usable_core_and_a_read_only_checkpoint_directory(tiny_dir, tmp_path):
+    """Two shapes in one process (each costs a whole quick tune): one usable core, and a checkpoint
+    directory nothing may write into."""
     ck = tmp_path / "ro" / "tiny"
     shutil.copytree(tiny_dir, ck)
     before = sorted(p.name for p in ck.iterdir())
-    env = {"DSV41_LLC_MIB": "2"}
+    env = {"DSV41_CORES": "1", "NUMBA_NUM_THREADS": "1", "DSV41_LLC_MIB": "2"}
     with read_only(ck):
         r = run_case(ck, tmp_path / "out", env)
     check_common(r, env)
+    assert r["facts"]["usable_cores"] == 1 and r["host"]["hard"]["physical_cores"] == 1
+    assert {e["threads"] for e in r["measurements"]["cpu_moe_gbs"] if "threads" in e} == {1}
     assert sorted(p.name for p in ck.iterdir()) == before             # nothing written into the checkpoint
     assert not list(ck.parent.glob(".dsv41-probe-*"))                 # the probe's scratch directory is gone
 
