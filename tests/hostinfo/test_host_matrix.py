@@ -35,7 +35,9 @@ def run_case(ck: Path, out: Path, env: dict) -> dict:
 
 
 def check_common(r: dict, env: dict) -> None:
-    assert r["status"] == 200 and r["completion"]["usage"]["completion_tokens"] == 3 and r["completion"]["choices"][0]["text"]
+    choice, n = r["completion"]["choices"][0], r["completion"]["usage"]["completion_tokens"]
+    assert r["status"] == 200 and choice["text"]
+    assert n == 3 or (1 <= n < 3 and choice["finish_reason"] == "stop")   # the plan the tune picked may meet EOS first
     m = r["measurements"]
     assert m["dram_stream_read_gbs"]["median"] > 0
     for e in m["cpu_moe_gbs"]:                            # every geometry measured, with its own top_k's bank floor
