@@ -228,20 +228,22 @@ class BatchedReader:
         `aio_refusal` and the next engine serves, threads last)."""
         if self.engine == "threads" or self.path != "o_direct":
             return None
-        if self._aio is None and not self._tried:
-            self._tried = True
-            why = []
-            for name, cls in (("uring", UringContext), ("aio", AioContext)):
-                if self.engine in ("auto", name):
-                    ctx, reason = cls.open(self.depth)
-                    if ctx is not None:
-                        self._aio, self._aio_name = ctx, name
-                        break
-                    why.append(f"{name}: {reason}")
-            self.aio_refusal = "; ".join(why)
-            if self._aio is None and self.engine != "auto":
-                raise OSError(errno.ENOSYS, f"the reader's engine {self.engine!r} is unavailable: {self.aio_refusal}")
-        return self._aio
+        with self._aio_lock:                         # two threads reading at once open one engine
+            if self._aio is None and not self._tried:
+                self._tried = True
+                why = []
+                for name, cls in (("uring", UringContext), ("aio", AioContext)):
+                    if self.engine in ("auto", name):
+                        ctx, reason = cls.open(self.depth)
+                        if ctx is not None:
+                            self._aio, self._aio_name = ctx, name
+                            break
+                        why.append(f"{name}: {reason}")
+                self.aio_refusal = "; ".join(why)
+                if self._aio is None and self.engine != "auto":
+                    self._tried = False                  # asked again, it says so again
+                    raise OSError(errno.ENOSYS, f"the reader's engine {self.engine!r} is unavailable: {self.aio_refusal}")
+            return self._aio
 
     @property
     def engine_used(self) -> str:
