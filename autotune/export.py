@@ -4,12 +4,14 @@
 
 Each engine gets its own translator: plan + config -> (command words, environment, comments). A
 knob with no equivalent is never dropped silently: it becomes a `# not expressible:` comment naming
-the knob, its value here and what the engine does instead. The flags and their meaning follow the
-public recipes for V4.1 (docs/export.md cites them); they are a starting point on that engine, not a
-measured plan: re-measure there (dsv41-bench --url works against any OpenAI-compatible server).
+the knob, its value here and what the engine does instead. An exact plan says so where the engine has
+an inexact default-off switch (bounded replay explicitly off). The flags and their meaning follow each
+engine's documentation for V4.1 (docs/export.md cites each one); they are a starting point on that
+engine, not a measured plan: re-measure there (dsv41-bench --url works against any OpenAI-compatible server).
 """
 from __future__ import annotations
 
+import json
 import shlex
 
 from runtime.config import ModelConfig
@@ -39,8 +41,10 @@ def sglang(plan: Plan, cfg: ModelConfig, model: str, card_gib: float | None = No
     words = ["sglang", "serve", "--trust-remote-code", "--model-path", model, "--context-length", str(plan.max_context),
              "--chunked-prefill-size", str(plan.prefill_chunk)]
     env, notes = {}, []
-    if plan.engram_placement == "host":
-        env["SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE"] = "1"          # one shared host copy, bitwise unchanged
+    # SGLang's tables live on the GPU by default; every dsv41 placement keeps them off the GPU, so the line
+    # asks for pinned host memory (the GPU reads rows in place). An NVMe plan needs the RAM for the whole
+    # table there: SGLang has no NVMe tier (the note below says so).
+    words += ["--engram-config", json.dumps({"placement": "cpu"}, separators=(",", ":"))]
     if plan.dspark:
         words += ["--speculative-algorithm", "DSPARK", "--speculative-dspark-block-size", str(plan.draft_length)]
     if plan.prefill_mode == "bounded_replay":
@@ -69,10 +73,11 @@ def vllm(plan: Plan, cfg: ModelConfig, model: str, expert_bytes: int, card_gib: 
     else:
         notes.append(f"moe_strategy=cpu ({plan.cpu_threads or 'all'} threads): vLLM does not compute experts on the CPU; "
                      f"the closest is --cpu-offload-gb, which streams them to the GPU instead")
-    if plan.dspark:
-        notes.append(f"dspark (draft length {plan.draft_length}): no DSpark method in vLLM's --speculative-config")
-    if plan.prefill_mode == "bounded_replay":
-        notes.append("prefill_mode=bounded_replay: vLLM always runs the full prefill (exact)")
+    if plan.dspark:                                    # the draft ships in the checkpoint (mtp.{0,1,2}.*): no model path
+        words += ["--speculative-config", json.dumps({"method": "dspark", "num_speculative_tokens": plan.draft_length},
+                                                     separators=(",", ":"))]
+    # CacheConfig.swa_bounded_replay: inexact like dsv41's bounded_replay; an exact plan turns it off explicitly
+    words += ["--swa-bounded-replay" if plan.prefill_mode == "bounded_replay" else "--no-swa-bounded-replay"]
     _common_notes(plan, notes, "vLLM")
     return words, env, notes
 

@@ -1,13 +1,13 @@
 """Soak test: N concurrent streaming clients against a dsv41-serve on loopback for a bounded time.
 
-  python scripts/soak.py --checkpoint DIR --profile P.json [--clients 8] [--duration 180] [--abort-every 5]
+  python scripts/soak.py --checkpoint DIR --profile P.json [--clients 8] [--duration 180] [--abort-every 5] [--max-num-seqs 8]
   python scripts/soak.py --url http://127.0.0.1:PORT --pid PID ...      (a server you started)
 
 Each client loops until the deadline: a streamed completion of random length (ignore_eos, so it must
 return exactly max_tokens); every --abort-every-th request is dropped on purpose after a few chunks
 (a client that disconnects). Reported: requests sent, completed, failed (an error or a wrong token
 count), lost (no terminal answer), aborted on purpose; the server's resident memory at start, end
-and peak (sampled every 2 s) and its growth, overall and over the second half (past allocator warm-up); whether the server is idle afterwards and whether its
+and peak (sampled every 2 s) and its growth, overall and past a warm-up (--warmup, 60 s; fails above --max-growth-pct); whether the server is idle afterwards and whether its
 own counters agree. Goal: none failed or lost, flat memory. Only loopback URLs are accepted.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from urllib.parse import urlparse
 
@@ -64,17 +65,30 @@ async def client(url, deadline, rng, stats, abort_every, lengths):
 
 
 async def sample_rss(proc, deadline, samples):
+    """(seconds since start, RSS bytes) every 2 s until the deadline."""
+    t0 = time.time()
     while time.time() < deadline:
-        samples.append(proc.memory_info().rss)
+        samples.append((time.time() - t0, proc.memory_info().rss))
         await asyncio.sleep(2)
 
 
+def rss_summary(samples, warmup):
+    """RSS in MiB: start, end, peak, growth overall and over the RSS once `warmup` seconds have passed
+    (the allocator and the kernels' caches settle in the first minute; the goal is flat after it)."""
+    rss = [r for _, r in samples]
+    warm = next((r for t, r in samples if t >= warmup), rss[len(rss) // 2])
+    return {"start": rss[0] / 2**20, "end": rss[-1] / 2**20, "peak": max(rss) / 2**20, "growth": (rss[-1] - rss[0]) / 2**20,
+            "warmup_s": warmup, "after_warmup": warm / 2**20, "growth_after_warmup_pct": 100 * (rss[-1] - warm) / warm}
+
+
 def start_server(args):
+    log = tempfile.TemporaryFile()                     # the server's log (a pipe could fill up and stall it)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     p = subprocess.Popen([sys.executable, "-m", "runtime.cli.serve", "--profile", args.profile, "--checkpoint", args.checkpoint,
-                          "--port", str(port), "--max-queue", str(args.clients)], stderr=subprocess.DEVNULL)
+                          "--port", str(port), "--max-queue", str(args.clients)]
+                         + (["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else []), stderr=log)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
@@ -85,7 +99,8 @@ def start_server(args):
         if p.poll() is not None:
             break
     p.kill()
-    raise SystemExit("soak: the server did not come up")
+    log.seek(0)
+    raise SystemExit("soak: the server did not come up:\n" + log.read()[-2000:].decode(errors="replace"))
 
 
 def metric(url, name):
@@ -112,6 +127,9 @@ def main():
     ap.add_argument("--min-tokens", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-num-seqs", type=int, help="sequences the started server batches (default: its plan's)")
+    ap.add_argument("--warmup", type=float, default=60, help="seconds after which the RSS is the baseline for growth")
+    ap.add_argument("--max-growth-pct", type=float, default=5.0, help="fail when RSS grows more than this past the warm-up")
     args = ap.parse_args()
     own = None
     if args.url:
@@ -142,16 +160,15 @@ def main():
         health = httpx.get(url + "/health").json()
         server_ok = finished_ok(url, stats["model"]) - ok0
         if proc:
-            rss.append(proc.memory_info().rss)
+            rss.append((time.time() - t0, proc.memory_info().rss))
         out = {"clients": args.clients, "seconds": round(time.time() - t0, 1), "sent": stats["sent"], "completed": stats["completed"],
                "failed": len(stats["failed"]), "lost": stats["lost"], "aborted_on_purpose": stats["aborted"],
                "failure_reasons": sorted(set(stats["failed"]))[:10], "server_idle_after": health["running"] == 0 and health["queued"] == 0,
                "server_counted_ok": server_ok,
-               "rss_mib": {"start": rss[0] / 2**20, "end": rss[-1] / 2**20, "peak": max(rss) / 2**20,
-                           "growth": (rss[-1] - rss[0]) / 2**20,
-                           "growth_second_half": (rss[-1] - rss[len(rss) // 2]) / 2**20} if rss else None}
+               "rss_mib": rss_summary(rss, args.warmup) if rss else None}
         print(json.dumps(out, indent=1))
         bad = out["failed"] or out["lost"] or not out["server_idle_after"] or out["sent"] != out["completed"] + out["failed"] + out["lost"] + out["aborted_on_purpose"]
+        bad = bad or (rss and out["rss_mib"]["growth_after_warmup_pct"] > args.max_growth_pct)
         return 1 if bad else 0
     finally:
         if own:

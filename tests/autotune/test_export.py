@@ -1,4 +1,5 @@
 """dsv41-tune export: every plan knob lands in the other engine's launch line or in a comment."""
+import json
 import shlex
 
 import pytest
@@ -34,7 +35,7 @@ def test_context_and_chunk_always_map_and_the_line_parses(engine):
     body = " ".join(line.rstrip("\\") for line in text.splitlines() if not line.startswith("#"))
     assert shlex.split(body) == [f"{k}={v}" for k, v in env.items()] + words                 # the printed line is the command
     said = " ".join(words) + " " + " ".join(notes)
-    for knob in ("dspark" if engine != "sglang" else "DSPARK", "bounded" if engine != "sglang" else "bounded-replay",
+    for knob in ("dspark" if engine != "sglang" else "DSPARK", "bounded-replay" if engine != "llama.cpp" else "bounded",
                  "nvme_direct", "host_expert_budget_gib", "600"):
         assert knob in said, (engine, knob)
 
@@ -42,8 +43,29 @@ def test_context_and_chunk_always_map_and_the_line_parses(engine):
 def test_sglang_expresses_dspark_bounded_replay_host_engram_and_vram():
     words, env, notes, _ = _line(Plan(dspark=True, draft_length=4, prefill_mode="bounded_replay", vram_budget_gib=16.0), "sglang")
     assert _flag(words, "--speculative-algorithm") == "DSPARK" and _flag(words, "--speculative-dspark-block-size") == "4"
-    assert "--enable-decoder-swa-bounded-replay" in words and env == {"SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "1"}
+    assert "--enable-decoder-swa-bounded-replay" in words and env == {}
+    assert json.loads(_flag(words, "--engram-config")) == {"placement": "cpu"}
     assert _flag(words, "--mem-fraction-static") == "0.50"
+    exact, *_ = _line(Plan(), "sglang")
+    assert "--enable-decoder-swa-bounded-replay" not in exact and "--speculative-algorithm" not in exact
+
+
+@pytest.mark.parametrize("placement", ["nvme_direct", "nvme_mmap"])
+def test_sglang_line_for_an_nvme_engram_plan_carries_the_placement_it_needs(placement):
+    """SGLang's default keeps the 189 GiB of tables on the GPU; the nearest tier to an NVMe plan is host memory."""
+    words, _, notes, _ = _line(Plan(engram_placement=placement), "sglang")
+    assert json.loads(_flag(words, "--engram-config"))["placement"] == "cpu"
+    assert any(placement in n and "no NVMe tier" in n for n in notes)
+
+
+def test_vllm_expresses_dspark_and_states_bounded_replay_either_way():
+    words, _, notes, _ = _line(Plan(dspark=True, draft_length=3), "vllm")
+    assert json.loads(_flag(words, "--speculative-config")) == {"method": "dspark", "num_speculative_tokens": 3}
+    assert "--no-swa-bounded-replay" in words and "--swa-bounded-replay" not in words      # exact: explicitly off
+    assert not any("dspark" in n for n in notes)
+    words, *_ = _line(Plan(prefill_mode="bounded_replay"), "vllm")
+    assert "--swa-bounded-replay" in words and "--no-swa-bounded-replay" not in words
+    assert "--speculative-config" not in words
 
 
 def test_llama_cpp_pins_whole_layers_for_the_slot_cache():
