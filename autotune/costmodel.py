@@ -11,8 +11,8 @@ prompt. Every source appears in `Prediction.sources`; assumptions are in `notes`
                    of independent tokens per layer, attention per sequence; decode_tok_s is per stream,
                    terms.aggregate_tok_s = n x that, terms.itl_s the step; an ITL budget is a constraint
   DSpark           tokens per step a = 1 + p + ... + p^d, p measured by validation or by the profiler on
-                   this checkpoint (else 0.7, assumed);
-                   verify reads union(d+1) experts per layer (the routing curve) and d+1 tokens' Engram rows
+                   this checkpoint (else 0.7, assumed); each stream drafts d and verifies d+1 tokens in the
+                   step: union(d+1) experts per stream (the routing curve), n streams: _step_experts
   page cache       RAM left after the plan (and the OS headroom) serves the nvme_mmap tiers' reads at DRAM
                    speed in proportion to its share of their bytes
   VRAM / host RAM  runtime.budget.device_bytes + graphs (1 GiB, assumed) / host_bytes + OS headroom (8 GiB,
@@ -156,26 +156,44 @@ class _Ctx:
 
 
 def decode_terms(c: _Ctx) -> dict:
-    """Seconds per generated token, per term."""
+    """Seconds per generated token, per term: one decode step of n streams (each its next token, or with
+    DSpark its verify block of d + 1 and its d drafter steps) divided by the n x a tokens it yields."""
     plan, fp, wl, f = c.plan, c.fp, c.wl, c.f
     ctx = wl.prompt_tokens + wl.max_tokens / 2
-    if not (plan.dspark and fp.dspark_num_layers):
-        n = min(wl.concurrency, plan.max_num_seqs)          # streams sharing each step (continuous batching)
-        step = c.forward(n, ctx, n_experts=f.routing.union(n, independent=True) if n > 1 else fp.top_k, sequences=n)
-        c.extra = {"concurrency": n}
-        return {k: v / n for k, v in step.items()}
+    n = min(wl.concurrency, plan.max_num_seqs)              # streams sharing each step (continuous batching)
+    d, a = 0, 1.0
+    if plan.dspark and fp.dspark_num_layers:
+        d, p = plan.draft_length, _p_accept(c)
+        a = T.accepted_per_step(p, d)
+    experts = _step_experts(f, fp, n, d + 1)
+    step = c.forward(n * (d + 1), ctx, n_experts=experts, sequences=n)
+    step["draft"] = n * d * T.draft(f, fp, _head_bytes(fp, f.gpu))
+    c.extra = {"concurrency": n}
+    if d:
+        c.extra.update(dspark_accepted=a, dspark_union_experts=experts)
+    return {k: v / (n * a) for k, v in step.items()}
+
+
+def _p_accept(c: _Ctx) -> float:
+    """DSpark's per-token acceptance: validation's, else the profiler's on this checkpoint, else assumed."""
     measured_p = (c.profile.get("calibration") or {}).get("dspark_p_accept")
     probed = c.profile["measurements"].get("dspark_p_accept") or {}
-    if measured_p is None and probed.get("geometry") == fp.geometry_hash and "median" in probed:
+    if measured_p is None and probed.get("geometry") == c.fp.geometry_hash and "median" in probed:
         measured_p = probed["median"]                    # the profiler's, through the runtime on this checkpoint
-    d, p = plan.draft_length, DSPARK_P_ACCEPT if measured_p is None else measured_p
-    a = T.accepted_per_step(p, d)
-    step = c.forward(d + 1, ctx, n_experts=f.routing.union(d + 1))
-    step["draft"] = d * T.draft(f, fp, _head_bytes(fp, f.gpu))
+    p = DSPARK_P_ACCEPT if measured_p is None else measured_p
     c.notes.append(f"DSpark acceptance p={p:.2f} per token is " + ("assumed until measured" if measured_p is None else
                                                                   "measured on this checkpoint"))
-    c.extra = {"dspark_accepted": a, "dspark_union_experts": f.routing.union(d + 1)}
-    return {k: v / a for k, v in step.items()}
+    return p
+
+
+def _step_experts(f, fp: Footprint, n: int, block: int) -> float:
+    """Distinct experts per layer in a step of n streams, each running `block` consecutive tokens: one
+    stream's union(block) from the routing curve; n streams: the independent-token curve at the number of
+    single tokens that touch as many experts (n x union(block) / top_k), so skew shared across streams counts."""
+    one = f.routing.union(block) if block > 1 else float(fp.top_k)
+    if n <= 1:
+        return one
+    return f.routing.union(n * one / fp.top_k, independent=True)
 
 
 def prefill_terms(c: _Ctx) -> dict:

@@ -87,7 +87,7 @@ def suggest_plan(trial: optuna.Trial, profile: dict, fp: Footprint, wl: Workload
         geometry_hash=fp.geometry_hash,
     )
     if wl.concurrency > 1:                     # continuous batching: streams per step and the step's tokens
-        kw["max_num_seqs"] = 1 if kw["dspark"] else trial.suggest_categorical("max_num_seqs", [1, 2, 4, 8, 16, 32])
+        kw["max_num_seqs"] = trial.suggest_categorical("max_num_seqs", [1, 2, 4, 8, 16, 32])
         kw["max_batched_tokens"] = trial.suggest_categorical("max_batched_tokens", [0, 256, 1024, 4096])
     if kw["prefill_moe_path"] == "device":     # its staging buffer, in whole experts (MiB rounded up)
         n = trial.suggest_categorical("prefill_buffer_experts", [1, 4, 16, 64])

@@ -107,9 +107,10 @@ def nvme_fetch_bytes(plan: Plan, fp: Footprint, T: int) -> int:
 
 
 def step_tokens(plan: Plan) -> int:
-    """The most tokens one forward runs: a prefill chunk, a DSpark verify pass, or a continuous-batching
-    step (runtime/scheduler.py: the step's token budget, and at least one token per running sequence)."""
-    return max(plan.prefill_chunk, plan.max_batched_tokens, plan.max_num_seqs, spare(plan) + 1)
+    """The most tokens one forward runs: a prefill chunk, or a continuous-batching step
+    (runtime/scheduler.py: the step's token budget, and at least one token per running sequence, or
+    its DSpark verify block of draft_length + 1)."""
+    return max(plan.prefill_chunk, plan.max_batched_tokens, plan.max_num_seqs * (spare(plan) + 1))
 
 
 def kv_states_bytes(plan: Plan, fp: Footprint) -> int:

@@ -76,6 +76,21 @@ def load_cmap(ck: Checkpoint) -> np.ndarray | None:
     return cmap
 
 
+def draft_block(model, tok: int, hidden: list, d: int, temperature: float, gen) -> tuple[list, list]:
+    """DSpark: d drafts from the last token and the target layers' hidden states at its position (each
+    later step feeds the drafter its own output). -> (draft tokens, the drafter's distributions, None
+    when greedy)."""
+    drafts, qs, h = [], [], hidden
+    for _ in range(d):
+        dl, hx = model.draft(tok, h)
+        q = torch.softmax(dl.to(torch.float64) / temperature, -1) if temperature > 0 else None
+        tok = int(torch.multinomial(q, 1, generator=gen)) if q is not None else int(torch.argmax(dl))
+        drafts.append(tok)
+        qs.append(q)
+        h = [hx] * len(hidden)
+    return drafts, qs
+
+
 def verify_drafts(V, drafts, qs, temperature, gen) -> tuple[int, int]:
     """The target's verdict on a draft block. V [d+1, vocab]: V[j] is the target's logits for the token
     after the j-th verified input; drafts [d]; qs: the drafter's distributions (temperature > 0).
@@ -234,14 +249,7 @@ class Engine:
         while n < max_tokens:
             d = min(d_max, max_tokens - n)
             t0 = time.perf_counter()
-            drafts, qs, tok, h = [], [], x1, hid
-            for _ in range(d):
-                dl, hx = model.draft(tok, h)
-                q = torch.softmax(dl.to(torch.float64) / temperature, -1) if temperature > 0 else None
-                y = int(torch.multinomial(q, 1, generator=gen)) if q is not None else int(torch.argmax(dl))
-                drafts.append(y)
-                qs.append(q)
-                tok, h = y, [hx] * len(targets)
+            drafts, qs = draft_block(model, x1, hid, d, temperature, gen)
             t1 = time.perf_counter()
             base = st.pos
             V = model.forward(st, [x1] + drafts)                   # [d+1, vocab]: V[j] predicts the token after

@@ -62,8 +62,6 @@ class Plan:
                 bad(name, f"must be >= 0, got {getattr(self, name)}")
         if self.max_batched_tokens < 0:
             bad("max_batched_tokens", f"must be >= 0 (0: the prefill chunk), got {self.max_batched_tokens}")
-        if self.dspark and self.max_num_seqs > 1:
-            bad("max_num_seqs", f"must be 1 with dspark on (DSpark plans serve one sequence at a time), got {self.max_num_seqs}")
         for name in ("prefill_chunk", "max_context", "engram_io_depth", "max_num_seqs"):
             if getattr(self, name) < 1:
                 bad(name, f"must be >= 1, got {getattr(self, name)}")

@@ -8,10 +8,16 @@ the experts run once over all the step's tokens (each MoE layer reads the union 
 attention runs per sequence (runtime/model/transformer.py forward_many). Sampling is per sequence
 (its own seeded generator), as a request running alone samples.
 
+DSpark composes: with a drafter in the plan, each decoding sequence drafts up to draft_length tokens
+from its last verified position (the drafter runs per sequence), and the step verifies every
+sequence's block [last token, drafts] in the same batched forward; each keeps its accepted prefix
+plus the target's next token and rolls its state back past the rejected drafts (engine.verify_drafts:
+greedy keeps a draft iff it is the target's argmax, so a sequence's tokens are those it would get alone).
+
 Memory: each admitted sequence holds one KV state of at most `max_context` (the plan counts
 `max_num_seqs` of them: runtime/budget.py), so a request waits while `max_num_seqs` run and none is
 ever preempted; one that can never fit (prompt + max_tokens over max_context) is refused at `add`.
-Not batched (they run one sequence at a time): DSpark plans and bounded-replay prefill chunks.
+Not batched (they run one sequence at a time): bounded-replay prefill chunks.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime import budget
+from runtime.engine import draft_block, verify_drafts
 
 
 @dataclass
@@ -41,6 +48,9 @@ class Sequence:
     finished: bool = False
     keep_logits: list | None = None                 # a list: the logits each token was sampled from (tests)
     t_added: float = field(default_factory=time.perf_counter)
+    hidden: list | None = None                      # DSpark: the target layers' hidden states at the last verified position
+    drafts: tuple = ((), ())                        # DSpark: this step's (draft tokens, drafter distributions)
+    spec: dict = field(default_factory=lambda: {"steps": 0, "drafted": 0, "accepted": 0})
 
     @property
     def decoding(self) -> bool:
@@ -54,6 +64,9 @@ class Scheduler:
         self.budget = self.plan.max_batched_tokens or self.plan.prefill_chunk
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        cfg = engine.cfg
+        self.speculative = bool(self.plan.dspark and not engine.reference and cfg.dspark_num_layers)
+        self.targets = cfg.dspark_target_layer_ids
 
     def add(self, seq: Sequence) -> Sequence:
         if seq.max_tokens < 1 or not seq.prompt:
@@ -84,13 +97,14 @@ class Scheduler:
             self.running.append(s)
 
     def _plan_step(self) -> list[tuple[Sequence, list]]:
-        """(sequence, tokens to run) for this step: every decoding sequence's next token first, then
-        prompt chunks while the token budget lasts (the first one always gets a chunk)."""
+        """(sequence, tokens to run) for this step: every decoding sequence's next token (and its drafts)
+        first, then prompt chunks while the token budget lasts (the first one always gets a chunk)."""
         work, left = [], self.budget
         for s in self.running:
             if s.decoding:
-                work.append((s, [s.tokens[-1]]))
-                left -= 1
+                drafts = self._draft(s) if self.speculative else []
+                work.append((s, [s.tokens[-1]] + drafts))
+                left -= 1 + len(drafts)
         for s in self.running:
             if not s.decoding and (left > 0 or not work):
                 n = min(self.plan.prefill_chunk, len(s.prompt) - s.prefilled, max(left, 1))
@@ -115,23 +129,54 @@ class Scheduler:
                     outs[s.rid] = self.model.forward(s.state, t, decoder_start=dec)
         out = []
         for s, t in work:
+            if self.speculative and s.decoding and s.tokens:          # a verify pass: [last token, drafts]
+                out += [(s, tok) for tok in self._verify(s, outs[s.rid])]
+                continue
             if not s.decoding:
                 s.prefilled += len(t)
             logits = outs[s.rid]
             if logits is not None:
                 s.last = logits[-1]
             if s.decoding:
-                if s.keep_logits is not None:
-                    s.keep_logits.append(s.last.detach().clone())
-                tok = self.engine._sample(s.last, s.temperature, s.gen)
-                s.tokens.append(tok)
-                out.append((s, tok))
-                if len(s.tokens) >= s.max_tokens or tok in s.stop_ids:
-                    s.finished = True
+                if self.speculative:
+                    s.hidden = [s.state.target_hidden[layer][-1] for layer in self.targets]
+                out += [(s, tok) for tok in self._emit(s, [self.engine._sample(s.last, s.temperature, s.gen)], [s.last])]
         for s in [s for s in self.running if s.finished]:
             self.running.remove(s)
             s.state = None
         return out
+
+    def _emit(self, s: Sequence, toks: list, logits: list) -> list:
+        """Append the step's tokens for `s` up to max_tokens or its first stop id. -> those appended."""
+        kept = []
+        for tok, lg in zip(toks, logits):
+            if s.finished:
+                break
+            if s.keep_logits is not None:
+                s.keep_logits.append(lg.detach().clone())
+            s.tokens.append(tok)
+            kept.append(tok)
+            s.finished = len(s.tokens) >= s.max_tokens or tok in s.stop_ids
+        return kept
+
+    def _draft(self, s: Sequence) -> list:
+        """DSpark: up to draft_length drafts from the sequence's last token and verified hidden states."""
+        d = min(self.plan.draft_length, s.max_tokens - len(s.tokens))
+        s.drafts = draft_block(self.model, s.tokens[-1], s.hidden, d, s.temperature, s.gen)
+        return list(s.drafts[0])
+
+    def _verify(self, s: Sequence, V) -> list:
+        """The target's verdict on this step's block: keep the accepted drafts and the target's next
+        token, roll the state back past the rejected ones."""
+        drafts, qs = s.drafts
+        a, z = verify_drafts(V, list(drafts), list(qs), s.temperature, s.gen)
+        st = s.state
+        st.rollback(st.pos - len(drafts) + a)                       # base + 1 + a; base = pos before the pass
+        s.hidden = [st.target_hidden[layer][a] for layer in self.targets]
+        s.spec["steps"] += 1
+        s.spec["drafted"] += len(drafts)
+        s.spec["accepted"] += a
+        return self._emit(s, list(drafts[:a]) + [z], [V[j] for j in range(a + 1)])
 
     def _alone(self, s: Sequence) -> bool:
         """A bounded-replay prefill chunk runs by itself (its decoder skips positions)."""

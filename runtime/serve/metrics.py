@@ -75,14 +75,11 @@ class Metrics:
         self._lookups.labels(self.model, "hit").inc(hits)
         self._lookups.labels(self.model, "miss").inc(misses)
 
-    def finished(self, result) -> None:
-        """The engine's Result of a request served alone (DSpark plans)."""
-        self.lookups(*result.slot_lookups)
-        self.engram_wait.inc(result.engram.get("wait_s", 0.0))
-        if result.dspark:
-            self.drafted.inc(result.dspark["drafted"])
-            self.accepted.inc(result.dspark["accepted"])
-            self.verify_steps.inc(result.dspark["steps"])
+    def speculative(self, spec: dict) -> None:
+        """A finished (or dropped) request's DSpark counters: steps, drafted, accepted."""
+        self.drafted.inc(spec["drafted"])
+        self.accepted.inc(spec["accepted"])
+        self.verify_steps.inc(spec["steps"])
 
     def render(self) -> bytes:
         self._memory.labels(self.model, "host", "measured").set(psutil.Process().memory_info().rss)

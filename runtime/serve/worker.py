@@ -1,6 +1,6 @@
 """One thread owns the engine and drains a bounded queue of requests into the continuous-batching
-scheduler (runtime/scheduler.py): up to the plan's max_num_seqs requests share every forward pass, the
-rest wait (DSpark plans serve one request at a time through Engine.stream). Each request's tokens go
+scheduler (runtime/scheduler.py): up to the plan's max_num_seqs requests share every forward pass (DSpark
+plans too: each sequence's drafts are verified in the same pass), the rest wait. Each request's tokens go
 back to its HTTP handler as events on the handler's event loop; a handler whose client went away sets
 `cancelled`, and the worker drops that request before the next step (or skips it while still queued),
 so a disconnect frees its slot."""
@@ -50,8 +50,7 @@ class Worker:
         self.engine, self.metrics = engine, metrics
         self.q: queue.Queue = queue.Queue(maxsize=max_queue)
         self.active: dict = {}             # sequence id -> Job, in the scheduler (queued there or running)
-        self.single = 0                    # a request running on the one-at-a-time path (DSpark)
-        self.sched = None if engine.plan.dspark else Scheduler(engine)
+        self.sched = Scheduler(engine)
         self.alive = True
         self.thread = threading.Thread(target=self._loop, name="dsv41-engine", daemon=True)
         self.thread.start()
@@ -59,12 +58,12 @@ class Worker:
     @property
     def running(self) -> int:
         """Requests being generated now."""
-        return (len(self.sched.running) if self.sched else 0) + self.single
+        return len(self.sched.running)
 
     @property
     def queued(self) -> int:
         """Requests waiting: in the queue, or admitted to the scheduler but not yet running."""
-        return self.q.qsize() + (len(self.sched.waiting) if self.sched else 0)
+        return self.q.qsize() + len(self.sched.waiting)
 
     def submit(self, job: Job) -> None:
         job.enqueued = time.perf_counter()
@@ -82,8 +81,6 @@ class Worker:
             pass
 
     def _loop(self) -> None:
-        if self.sched is None:
-            return self._loop_single()
         sched = self.sched
         while self.alive:
             if not sched.busy and not self._take(sched, block=True):
@@ -179,64 +176,5 @@ class Worker:
         if job.first is not None:
             m.decode_time.observe(job.last - job.first)
             m.e2e.observe(job.last - job.arrival)
-
-    def _loop_single(self) -> None:
-        """DSpark plans: one request at a time through Engine.stream."""
-        while self.alive:
-            job = self.q.get()
-            self.metrics.waiting.set(self.q.qsize())
-            if job is None:
-                return
-            if job.cancelled.is_set():
-                self.metrics.success("abort")
-                job.emit("cancelled", None, time.perf_counter())
-                continue
-            self.single = 1
-            self.metrics.running.set(1)
-            try:
-                self._generate(job)
-            except Exception as e:                       # a bad request never takes the server down
-                self.metrics.error(500)
-                job.emit("error", f"{type(e).__name__}: {e}", time.perf_counter())
-            finally:
-                self.single = 0
-                self.metrics.running.set(0)
-
-    def _generate(self, job: Job) -> None:
-        m = self.metrics
-        t0 = last = time.perf_counter()
-        m.queue_time.observe(t0 - job.enqueued)
-        it = self.engine.stream(job.prompt, job.max_tokens, job.temperature, job.seed, stop_ids=job.stop_ids)
-        n, result, first = 0, None, None
-        try:
-            while not job.cancelled.is_set():
-                try:
-                    tok = next(it)
-                except StopIteration as done:
-                    result = done.value
-                    break
-                now = time.perf_counter()
-                if n == 0:
-                    first = now
-                    m.ttft.observe(now - job.arrival)
-                    m.prefill_time.observe(now - t0)
-                else:
-                    m.itl.observe(now - last)
-                last, n = now, n + 1
-                job.emit("token", tok, now)
-        finally:
-            it.close()
-        m.prompt_tokens.inc(len(job.prompt))
-        m.generated.inc(n)
-        m.prompt_len.observe(len(job.prompt))
-        m.gen_len.observe(n)
-        if first is not None:
-            m.decode_time.observe(last - first)
-            m.e2e.observe(last - job.arrival)
-        if result is None:
-            m.success("stop" if job.stop_hit else "abort")
-            job.emit("cancelled", None, time.perf_counter())
-            return
-        m.finished(result)
-        m.success("stop" if result.tokens and result.tokens[-1] in job.stop_ids else "length")
-        job.emit("done", result, time.perf_counter())
+        if job.seq is not None and job.seq.spec["steps"]:
+            m.speculative(job.seq.spec)

@@ -125,3 +125,19 @@ def test_concurrency_shares_each_step_and_an_itl_budget_binds(v4):
     assert not predict(plan, h, v4, tight).feasible
     _, results = search(h, v4, tight, n_trials=300)
     assert results and all(r.feasible and r.terms["itl_s"] <= tight.itl_budget_s for _, r in results)
+
+
+def test_dspark_composes_with_concurrency():
+    """n DSpark streams verify n blocks of d + 1 in one step: the step reads more experts than one
+    stream's block and fewer than n separate blocks; aggregate tok/s grows with n, each stream slows."""
+    v41 = Footprint.from_config(ModelConfig.preset("deepseek-v4.1-flash"))
+    h = host()
+    plan = Plan(max_context=8192, max_num_seqs=4, dspark=True, draft_length=3)
+    one = predict(plan, h, v41, WL)
+    four = predict(plan, h, v41, Workload(1024, 64, concurrency=4))
+    assert four.terms["concurrency"] == 4 and four.terms["dspark_accepted"] == one.terms["dspark_accepted"] > 1
+    u1, u4 = one.terms["dspark_union_experts"], four.terms["dspark_union_experts"]
+    assert u1 < u4 < min(4 * u1, v41.n_routed_experts)
+    assert one.decode_tok_s < four.terms["aggregate_tok_s"] < 4 * one.decode_tok_s
+    assert four.decode_tok_s < one.decode_tok_s
+    assert four.terms["decode_draft_s"] == pytest.approx(one.terms["decode_draft_s"], rel=0.05)   # 4x drafts for 4x tokens

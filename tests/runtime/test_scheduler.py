@@ -73,6 +73,41 @@ def test_each_sequence_decodes_as_it_would_alone(ck):
             assert s.tokens[k] == ref.tokens[k]
 
 
+def _matches_alone(ck, plan, seqs):
+    """Each finished sequence's logits match its run alone within TOL at every step, and its greedy
+    tokens match up to the first step whose top-2 margin is inside 20x that tolerance."""
+    for s in seqs:
+        ref = alone(ck, plan, s.prompt, s.max_tokens)
+        assert len(s.tokens) == len(ref.tokens)
+        for k, (a, b) in enumerate(zip(s.keep_logits, ref.logits)):
+            assert (a.double() - b.double()).abs().max() < TOL, (len(s.prompt), k)
+            top = torch.topk(b, 2).values
+            if float(top[0] - top[1]) <= 20 * TOL:
+                break
+            assert s.tokens[k] == ref.tokens[k]
+
+
+def test_dspark_composes_each_sequences_drafts_verified_in_the_same_step(ck):
+    """DSpark with continuous batching: every decoding sequence drafts and is verified in one batched
+    pass; greedy output is each sequence's output alone (itself DSpark-verified: lossless)."""
+    plan = BATCH.replace(dspark=True, draft_length=2)
+    rng = np.random.default_rng(5)
+    seqs = [Sequence(rng.integers(1, 500, n).tolist(), m, keep_logits=[]) for n, m in ((6, 14), (31, 9), (12, 11), (3, 7))]
+    e = Engine(ck, plan)
+    try:
+        sched = Scheduler(e)
+        assert sched.speculative
+        widths = []
+        sched.model.forward_many = (lambda f: lambda states, toks, *a: widths.append([len(t) for t in toks]) or f(states, toks, *a))(
+            sched.model.forward_many)
+        run(sched, {0: seqs[:2], 2: seqs[2:]})
+    finally:
+        e.close()
+    assert any(sum(w == 3 for w in ws) >= 2 for ws in widths)          # two sequences' verify blocks in one pass
+    assert sum(s.spec["drafted"] for s in seqs) > 0 and all(s.spec["accepted"] <= s.spec["drafted"] for s in seqs)
+    _matches_alone(ck, plan, seqs)
+
+
 def test_the_step_budget_interleaves_a_long_prefill_with_the_streams(ck):
     e = Engine(ck, BATCH)
     try:
@@ -119,8 +154,10 @@ def test_memory_counts_every_sequence_and_admission_refuses_too_many(tiny_footpr
     check_plan(BATCH, fp, available=need)
     with pytest.raises(DoesNotFit):
         check_plan(BATCH.replace(max_num_seqs=4), fp, available=need)
+    spec = BATCH.replace(dspark=True, draft_length=3)                 # each sequence verifies 1 + 3 tokens a step
+    assert budget.step_tokens(spec.replace(max_batched_tokens=0, prefill_chunk=8)) == 3 * 4
     with pytest.raises(PlanError, match="max_num_seqs"):
-        Plan(dspark=True, max_num_seqs=2)
+        Plan(max_num_seqs=0)
 
 
 def test_a_batched_step_reads_the_union_of_its_sequences_experts_once(ck):
