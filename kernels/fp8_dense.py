@@ -4,9 +4,10 @@
 
 The weights stay as the checkpoint stores them (1 B per weight + one scale byte per bn x bk block):
 4x fewer bytes held, and read per decode step, than float32 copies.
-  T < TILE_MIN_TOKENS   GEMV: `fp8_dot` (kernels/fp8_simd.py) decodes each row in registers, 4 rows
-                        per x load, up to 4 inputs per decode; fixed summation order (bit-identical
-                        for any thread count, and a token's output is the same alone or in a batch)
+  T < TILE_MIN_TOKENS   GEMV: `fp8_dot` (kernels/fp8_simd.py) decodes each row in registers, one row
+                        per call (each thread one sequential stream), up to 4 inputs per decode;
+                        fixed summation order (bit-identical for any thread count, and a token's
+                        output is the same alone or in a batch)
   T >= TILE_MIN_TOKENS  prefill widths: TILE_ROWS rows at a time decoded into a float32 tile (in
                         cache) and multiplied with torch; never the whole matrix
 The scalar ISA (and shapes whose K is not a multiple of the block) take a plain loop with the same
@@ -61,33 +62,29 @@ class Fp8Weight:
 
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _gemv_simd(q, s, bn, bk, x, out, stab):
-    """SIMD path (K % bk == 0, bk % LANES == 0): 4 rows per x load, inputs in blocks of up to 4."""
+    """SIMD path (K % bk == 0, bk % LANES == 0): one row per call, inputs in blocks of up to 4. Each
+    thread walks its contiguous range of rows in order: one sequential DRAM stream per thread (4 rows
+    per call read as 4 page streams ran 0.7x as fast: kernels/lab/fp8_gemv_variants.py)."""
     N, K = q.shape
     T = x.shape[0]
     nb, sK = K // bk, s.shape[1]
     qf, sf, xf, of = q.reshape(-1), s.reshape(-1), x.reshape(-1), out.reshape(-1)
-    for c in prange(-(-N // 4)):
-        n0 = 4 * c
-        if n0 + 4 <= N and n0 // bn == (n0 + 3) // bn:
-            j = 0
-            while j < T:
-                left = T - j
-                if left >= 4:
-                    fp8_dot(4, 4, LANES, qf, n0 * K, K, sf, (n0 // bn) * sK, 0, xf, j * K, K, stab, nb, 32, of, j * N + n0, N, 1)
-                    j += 4
-                elif left == 3:
-                    fp8_dot(4, 3, LANES, qf, n0 * K, K, sf, (n0 // bn) * sK, 0, xf, j * K, K, stab, nb, 32, of, j * N + n0, N, 1)
-                    j += 3
-                elif left == 2:
-                    fp8_dot(4, 2, LANES, qf, n0 * K, K, sf, (n0 // bn) * sK, 0, xf, j * K, K, stab, nb, 32, of, j * N + n0, N, 1)
-                    j += 2
-                else:
-                    fp8_dot(4, 1, LANES, qf, n0 * K, K, sf, (n0 // bn) * sK, 0, xf, j * K, K, stab, nb, 32, of, j * N + n0, N, 1)
-                    j += 1
-        else:
-            for n in range(n0, min(N, n0 + 4)):
-                for j in range(T):
-                    fp8_dot(1, 1, LANES, qf, n * K, K, sf, (n // bn) * sK, 0, xf, j * K, K, stab, nb, 32, of, j * N + n, N, 1)
+    for n in prange(N):
+        j = 0
+        while j < T:
+            left = T - j
+            if left >= 4:
+                fp8_dot(1, 4, LANES, qf, n * K, K, sf, (n // bn) * sK, 0, xf, j * K, K, stab, nb, 32, of, j * N + n, N, 1)
+                j += 4
+            elif left == 3:
+                fp8_dot(1, 3, LANES, qf, n * K, K, sf, (n // bn) * sK, 0, xf, j * K, K, stab, nb, 32, of, j * N + n, N, 1)
+                j += 3
+            elif left == 2:
+                fp8_dot(1, 2, LANES, qf, n * K, K, sf, (n // bn) * sK, 0, xf, j * K, K, stab, nb, 32, of, j * N + n, N, 1)
+                j += 2
+            else:
+                fp8_dot(1, 1, LANES, qf, n * K, K, sf, (n // bn) * sK, 0, xf, j * K, K, stab, nb, 32, of, j * N + n, N, 1)
+                j += 1
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
