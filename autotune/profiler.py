@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from autotune.probes import nvme, runtime_paths
-from autotune.probes.cpu_moe import GEOMETRIES, ProbeTooLarge, cpu_moe, random_bank
+from autotune.probes.cpu_moe import GEOMETRIES, ProbeTooLarge, cpu_moe, expert_bytes, random_bank, row_streams
 from hostinfo import cuda_available, probe_budget_bytes, usable_cores
 from hostinfo.fingerprint import fingerprint
 from hostinfo.measure import Measurement, measure
@@ -109,7 +109,7 @@ def _pcie(ck: Checkpoint, quick: bool, threads: int) -> dict:
             "pcie_gather_gbs": _fig(gather, geometry=f"{cfg.hidden_size}x{cfg.moe_intermediate_size}")}
 
 
-def _contended_gather(ck: Checkpoint, bank, top_k: int, threads: int, quick: bool) -> dict:
+def _contended_gather(ck: Checkpoint, bank, top_k: int, threads: int, quick: bool, streams: int = 4) -> dict:
     """CPU-MoE and the PCIe expert gather at the same time (both read host DRAM): each side's figure."""
     cfg = ck.config
     pe, k = _gather_probe(ck, threads)
@@ -122,7 +122,7 @@ def _contended_gather(ck: Checkpoint, bank, top_k: int, threads: int, quick: boo
     t = threading.Thread(target=gather)
     try:
         t.start()
-        cpu = cpu_moe(bank, 1, threads, top_k=top_k, repeats=6 if quick else 12)
+        cpu = cpu_moe(bank, 1, threads, top_k=top_k, repeats=6 if quick else 12, streams=streams)
     finally:
         stop.set()
         t.join()
@@ -135,7 +135,7 @@ def _contended_gather(ck: Checkpoint, bank, top_k: int, threads: int, quick: boo
             "pcie_gather_gbs": _fig(g)}
 
 
-def _contended(bank, top_k, threads, path: Path, n_reads: int, repeats: int) -> dict:
+def _contended(bank, top_k, threads, path: Path, n_reads: int, repeats: int, streams: int = 4) -> dict:
     """CPU-MoE and NVMe random reads at the same time: each side's figure."""
     res = {}
 
@@ -143,7 +143,7 @@ def _contended(bank, top_k, threads, path: Path, n_reads: int, repeats: int) -> 
         res["nvme"] = nvme.randread_4k(path, 8, n_reads, seed=9, repeats=repeats)
     t = threading.Thread(target=io)
     t.start()
-    res["cpu"] = cpu_moe(bank, 1, threads, top_k=top_k, repeats=8)
+    res["cpu"] = cpu_moe(bank, 1, threads, top_k=top_k, repeats=8, streams=streams)
     t.join()
     nv = res["nvme"]
     return {"pair": "cpu_moe+nvme_randread", "geometry": f"{bank.hidden}x{bank.inter}",
@@ -152,13 +152,17 @@ def _contended(bank, top_k, threads, path: Path, n_reads: int, repeats: int) -> 
                                    "unit": "IOPS", "source": "measured", "note": "QD 8, while the CPU-MoE probe ran"}}
 
 
-def _cpu_moe_sweep(cfg, cores: int, quick: bool, step) -> tuple[list, tuple | None]:
+def _cpu_moe_sweep(cfg, cores: int, quick: bool, step) -> tuple[list, tuple | None, dict | None]:
     """The kernel at the served geometry (its top_k) and at V4.1's and V4-Flash's (theirs), over widths
-    and threads. -> (figures, (bank, top_k) for the contended pairs: served, or V4.1's where the
-    served experts are toy-sized)."""
+    and threads, in the row layout this host reads faster (chosen first, on the first geometry whose
+    experts are >= 1 MiB, interleaved). -> (figures, (bank, top_k, layout) for the contended pairs: served, or
+    V4.1's where the served experts are toy-sized, the layout choice)."""
     geoms = {f"{cfg.hidden_size}x{cfg.moe_intermediate_size}": (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok)}
     for h, i, k in GEOMETRIES.values():
         geoms.setdefault(f"{h}x{i}", (h, i, k))
+    big = lambda g: expert_bytes(*g[1][:2]) >= 1 << 20
+    geoms = dict(sorted(geoms.items(), key=lambda g: not big(g)))     # the layout is chosen on real-sized experts
+    streams, layout = 4, None
     threads_sweep = sorted({1, cores}) if quick else sorted({1, max(1, cores // 2), cores})
     widths = (1, 6, 64) if quick else (1, 2, 4, 6, 64, 256)
     out, served = [], None
@@ -170,19 +174,24 @@ def _cpu_moe_sweep(cfg, cores: int, quick: bool, step) -> tuple[list, tuple | No
             out.append({"skipped": str(e), "geometry": gname})
             continue
         here = gname == f"{cfg.hidden_size}x{cfg.moe_intermediate_size}"
+        if layout is None and bank.expert_bytes >= 1 << 20:
+            step("CPU-MoE row layout")
+            streams, by = row_streams(bank, cores, K, rounds=3 if quick else 5, note=note)
+            layout = {"best": streams, "geometry": gname, "threads": cores, "source": "measured",
+                      "gbs": {str(k): _fig(v) for k, v in by.items()}}
         for t in threads_sweep:
             for w in widths:
                 if t != cores and (w > 8 if not quick else w not in (1, 64)):
                     continue                  # other thread counts: decode and one prefill width
                 if quick and not here and (t != cores or w > 8):
                     continue                  # quick: the reference geometries at decode widths only
-                r = cpu_moe(bank, w, t, top_k=K, repeats=6 if quick else 12, note=note)
+                r = cpu_moe(bank, w, t, top_k=K, repeats=6 if quick else 12, note=note, streams=streams)
                 out.append(_fig(r, geometry=gname, tokens=w, threads=t))
         if served is None and (bank.expert_bytes >= 1 << 20 or (H, I) == GEOMETRIES["deepseek-v4.1-flash"][:2]):
-            served = (bank, K)
+            served = (bank, K, streams)
         else:
             del bank
-    return out, served
+    return out, served, layout
 
 
 def _forward_terms(ck: Checkpoint, quick: bool) -> dict:
@@ -231,9 +240,9 @@ def _nvme(ck: Checkpoint, quick: bool, served, cores: int, step) -> dict:
         m["nvme_seq_read_gbs"] = _fig(nvme.seq_read(path, block, 4 if quick else 16), block_bytes=block)
         m["nvme_software_ceiling"] = nvme.software_ceiling(path, n_reads, 8)
         step("contended")
-        m["contended"] = [_contended(served[0], served[1], cores, path, n_reads, repeats)] if served else []
+        m["contended"] = [_contended(*served[:2], cores, path, n_reads, repeats, served[2])] if served else []
         if cuda_available() and served:
-            m["contended"].append(_contended_gather(ck, served[0], served[1], cores, quick))
+            m["contended"].append(_contended_gather(ck, *served[:2], cores, quick, served[2]))
     finally:
         if scratch:
             nvme.remove_scratch(path)
@@ -254,7 +263,9 @@ def run_profile(checkpoint, quick: bool = False, progress=None) -> dict:
     step("DRAM stream read")
     m["dram_stream_read_gbs"] = _fig(dram_stream_read(cores, repeats=3 if quick else 7), threads=cores)
     m["dram_copy_gbs"] = _fig(dram_copy(cores, repeats=3 if quick else 5), threads=cores, note="bytes copied")
-    m["cpu_moe_gbs"], served = _cpu_moe_sweep(cfg, cores, quick, step)
+    m["cpu_moe_gbs"], served, layout = _cpu_moe_sweep(cfg, cores, quick, step)
+    if layout is not None:
+        m["cpu_moe_streams"] = layout
     step("matmul")
     m["matmul_tflops"] = _fig(_matmul_tflops(quick), dtype="bf16")
     step("dense path, attention vs context (runtime)")

@@ -59,6 +59,12 @@ def study_name(profile: dict, fp: Footprint, wl: Workload, vram_budget_gib, allo
     return f"dsv41-{profile['host'].get('name', 'host')}-{fp.model}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
+def cpu_moe_streams(profile: dict) -> int:
+    """The CPU-MoE row layout the profiler measured faster on this host (4, the kernel's default, when
+    the profile predates the probe or skipped it)."""
+    return int((profile["measurements"].get("cpu_moe_streams") or {}).get("best", 4))
+
+
 def suggest_plan(trial: optuna.Trial, profile: dict, fp: Footprint, wl: Workload, vram_budget_gib, allow_inexact) -> Plan:
     gpu = bool(profile["host"]["hard"].get("gpu_name"))
     cores = int(profile["host"]["hard"]["physical_cores"])
@@ -71,6 +77,7 @@ def suggest_plan(trial: optuna.Trial, profile: dict, fp: Footprint, wl: Workload
         slot_cache_experts=trial.suggest_int("slot_cache_experts", 0, 4000 if gpu else 0, step=25 if gpu else 1),
         # 0 = every core; the rest leave cores to the OS / I/O threads or halve the CPU-MoE share
         cpu_threads=trial.suggest_categorical("cpu_threads_choice", sorted({0, max(1, cores - 2), max(1, cores // 2), 1})),
+        cpu_moe_streams=cpu_moe_streams(profile),          # a measured fact of the host, not a search dimension
         # a share of the room this plan leaves in RAM for experts (below); >= 1: all of it
         host_expert_budget_gib=trial.suggest_float("host_expert_share", 0.0, 1.25),
         prefill_chunk=trial.suggest_categorical("prefill_chunk", list(CHUNKS)),

@@ -39,6 +39,7 @@ MODE = {"avx512vnni": 3, "avx512": 2, "avx2": 1, "scalar": 0}[ISA]         # fp4
 # cache never holds code for an ISA other than the one numba's cache key (CPU name + features) names.
 CACHE = "DSV41_CPU_ISA" not in os.environ
 ROWS_PER_CHUNK = 64          # rows per parallel work item (multiple of 4)
+ROW_STREAMS = (1, 4)         # DRAM streams a thread reads at once: rows in order, or 4 rows a quarter-chunk apart
 DENSE_MIN_TOKENS = 256       # tokens per expert from which dequantize + torch matmul may win (measured here: the
                              # GEMV kernel is still ahead at 256 without AMX; on AMX hosts re-measure)
 
@@ -227,9 +228,12 @@ def _deq_scalar(codes, c_off, scales, s_off, stab, ng, out, o_off):
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _matvecs(codes, scales, experts, off, xq, xc, xr, out):
+def _matvecs(codes, scales, experts, off, xq, xc, xr, out, streams):
     """out[a, r] = W_{experts[s]}[r] . x(a) for assignments a of slot s (off[s] <= a < off[s+1]);
-    inputs prepared by `_prepare` (xq [A, K], xc and xr [A, K/8]), out [A, N]."""
+    inputs prepared by `_prepare` (xq [A, K], xc and xr [A, K/8]), out [A, N]. streams (ROW_STREAMS):
+    4 reads rows r, r+q, r+2q, r+3q of a chunk together (4 DRAM streams per thread), 1 reads them in
+    order (one stream); which is faster is a fact of the host (the profiler measures both). Each row's
+    arithmetic is the same either way: the outputs are bit-identical."""
     S = len(experts)
     N = out.shape[1]
     K = xq.shape[1]
@@ -244,26 +248,45 @@ def _matvecs(codes, scales, experts, off, xq, xc, xr, out):
         r0 = (c % per) * ROWS_PER_CHUNK
         r1 = min(r0 + ROWS_PER_CHUNK, N)
         e = experts[s]
-        q = (r1 - r0) // 4                             # N is a multiple of 32: whole 4-row blocks
-        for r in range(r0, r0 + q):                    # rows r, r+q, r+2q, r+3q: 4 DRAM streams
-            c_off = (e * N + r) * c_row
-            s_off = (e * N + r) * s_row
-            j = off[s]
-            while j < off[s + 1]:                         # inputs in blocks of 4 share each row decode
-                o_off = j * N + r
-                left = off[s + 1] - j
-                if left >= 4:
-                    _dot(4, 4, MODE, cf, c_off, q * c_row, sf, s_off, q * s_row, qf, cxf, rf, j, K, of, o_off, N, q)
-                    j += 4
-                elif left == 3:
-                    _dot(4, 3, MODE, cf, c_off, q * c_row, sf, s_off, q * s_row, qf, cxf, rf, j, K, of, o_off, N, q)
-                    j += 3
-                elif left == 2:
-                    _dot(4, 2, MODE, cf, c_off, q * c_row, sf, s_off, q * s_row, qf, cxf, rf, j, K, of, o_off, N, q)
-                    j += 2
-                else:
-                    _dot(4, 1, MODE, cf, c_off, q * c_row, sf, s_off, q * s_row, qf, cxf, rf, j, K, of, o_off, N, q)
-                    j += 1
+        if streams == 1:
+            for r in range(r0, r1):
+                _rows(1, cf, (e * N + r) * c_row, 0, sf, (e * N + r) * s_row, 0, qf, cxf, rf, off[s], off[s + 1], K, of, r, N, 0)
+        else:
+            q = (r1 - r0) // 4                             # N is a multiple of 32: whole 4-row blocks
+            for r in range(r0, r0 + q):                    # rows r, r+q, r+2q, r+3q: 4 DRAM streams
+                _rows(4, cf, (e * N + r) * c_row, q * c_row, sf, (e * N + r) * s_row, q * s_row, qf, cxf, rf, off[s], off[s + 1],
+                      K, of, r, N, q)
+
+
+def _rows(R, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j0, j1, K, of, r, N, or_stride):
+    """R rows (c_stride apart) against inputs j0..j1-1, in blocks of 4 inputs sharing each row decode."""
+    raise NotImplementedError("numba-only")
+
+
+@overload(_rows, prefer_literal=True, inline="always")
+def _ov_rows(R, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j0, j1, K, of, r, N, or_stride):
+    if not isinstance(R, types.IntegerLiteral):
+        return None
+    n = R.literal_value
+
+    def rows(R, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j0, j1, K, of, r, N, or_stride):
+        j = j0
+        while j < j1:
+            o_off = j * N + r
+            left = j1 - j
+            if left >= 4:
+                _dot(n, 4, MODE, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j, K, of, o_off, N, or_stride)
+                j += 4
+            elif left == 3:
+                _dot(n, 3, MODE, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j, K, of, o_off, N, or_stride)
+                j += 3
+            elif left == 2:
+                _dot(n, 2, MODE, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j, K, of, o_off, N, or_stride)
+                j += 2
+            else:
+                _dot(n, 1, MODE, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j, K, of, o_off, N, or_stride)
+                j += 1
+    return rows
 
 
 @njit(nogil=True, cache=CACHE)
@@ -325,9 +348,9 @@ def _combine(y, tok, kk, wts, out):
 
 
 def expert_ffn(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, bank: Fp4Bank, threads: int | None = None,
-               out: np.ndarray | None = None) -> np.ndarray:
+               out: np.ndarray | None = None, streams: int = 4) -> np.ndarray:
     """x [T, H] f32, ids [T, K] int64 (bank rows; duplicates allowed; -1 = none, skipped), wts [T, K] f32
-    -> y [T, H] f32.
+    -> y [T, H] f32. streams: DRAM streams per thread (ROW_STREAMS; the same bits either way).
     With `out`, the result is added into it."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     ids = np.ascontiguousarray(ids, dtype=np.int64)
@@ -342,11 +365,13 @@ def expert_ffn(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, bank: Fp4Bank, t
         return y
     xq, xc, xr = _prepare(x, tok)                                  # [A, H] int8 (+ [A, H/8] x2): A = assignments (<= T K)
     h = np.empty((len(tok), 2 * bank.inter), np.float32)           # [A, 2I]
-    _matvecs(bank.w13_codes, bank.w13_scales, experts, off, xq, xc, xr, h)
+    if streams not in ROW_STREAMS:
+        raise ValueError(f"expert_ffn: streams must be one of {ROW_STREAMS}, got {streams}")
+    _matvecs(bank.w13_codes, bank.w13_scales, experts, off, xq, xc, xr, h, streams)
     a = _swiglu(h, bank.inter)                                     # [A, I]
     aq, ac, ar = _prepare(a, np.arange(len(tok)))
     d = np.empty((len(tok), H), np.float32)                        # [A, H]
-    _matvecs(bank.w2_codes, bank.w2_scales, experts, off, aq, ac, ar, d)
+    _matvecs(bank.w2_codes, bank.w2_scales, experts, off, aq, ac, ar, d, streams)
     _combine(d, tok, kk, wts, y)
     return y
 

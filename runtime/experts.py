@@ -79,18 +79,18 @@ class ReferenceExperts:
 class NumbaSlots:
     """Slot memory on the CPU 'device': ds_fp4 arrays computed by the numba kernel."""
 
-    def __init__(self, n, hidden, inter, threads=None):
+    def __init__(self, n, hidden, inter, threads=None, streams=4):
         z = np.zeros
         self.bank = Fp4Bank(z((n, 2 * inter, hidden // 2), np.uint8), z((n, 2 * inter, hidden // 32), np.uint8),
                             z((n, hidden, inter // 2), np.uint8), z((n, hidden, inter // 32), np.uint8))
-        self.threads = threads
+        self.threads, self.streams = threads, streams
 
     def put(self, slot, src: Fp4Bank, row):
         for name in ("w13_codes", "w13_scales", "w2_codes", "w2_scales"):
             getattr(self.bank, name)[slot] = getattr(src, name)[row]
 
     def compute(self, x, ids, wts) -> np.ndarray:
-        return expert_ffn(x, ids, wts, self.bank, threads=self.threads)
+        return expert_ffn(x, ids, wts, self.bank, threads=self.threads, streams=self.streams)
 
 
 class TritonSlots:
@@ -130,13 +130,13 @@ class TritonSlots:
         return y.cpu().numpy()
 
 
-def slot_memory(n, hidden, inter, device: str, threads=None):
+def slot_memory(n, hidden, inter, device: str, threads=None, streams=4):
     """The device slot cache's storage: Triton slots on CUDA (or when DSV41_SLOT_KERNEL=triton), else
     numba slots on the CPU."""
     import os
     if device.startswith("cuda") or os.environ.get("DSV41_SLOT_KERNEL") == "triton":
         return TritonSlots(n, hidden, inter, device)
-    return NumbaSlots(n, hidden, inter, threads)
+    return NumbaSlots(n, hidden, inter, threads, streams)
 
 
 class SlotCache:
@@ -240,7 +240,7 @@ class PlacedExperts:
     # ------------------------------------------------------------------ compute
     def _run(self, bank, x, ids, wts, key):
         t0 = time.perf_counter()
-        y = expert_ffn(x, ids, wts, bank, threads=self.threads)
+        y = expert_ffn(x, ids, wts, bank, threads=self.threads, streams=self.plan.cpu_moe_streams)
         self.seconds[key] += time.perf_counter() - t0
         return y
 
@@ -311,7 +311,7 @@ class PlacedExperts:
             t0 = time.perf_counter()
             for bank, group, rows in self._groups(layer, dev_keys):
                 job = self._subset(x, ids_np, w_np, group, rows, bank)
-                y += expert_ffn(x, job[1], job[2], job[0], threads=self.threads)
+                y += expert_ffn(x, job[1], job[2], job[0], threads=self.threads, streams=self.plan.cpu_moe_streams)
                 del bank, job                 # one NVMe batch alive at a time
             self.seconds["device_moe"] += time.perf_counter() - t0
         # a call may need more distinct experts than there are slots (a wide prefill chunk, a long verify
@@ -392,9 +392,11 @@ class PlacedExperts:
         x = m.detach().to(torch.float32).cpu().numpy()
         self.drafter_experts_read += len(set(ids.reshape(-1).tolist()))
         t0 = time.perf_counter()
-        y = expert_ffn(x, ids.cpu().numpy(), wts.detach().to(torch.float32).cpu().numpy(), self.drafter[k], threads=self.threads)
+        y = expert_ffn(x, ids.cpu().numpy(), wts.detach().to(torch.float32).cpu().numpy(), self.drafter[k], threads=self.threads,
+                       streams=self.plan.cpu_moe_streams)
         if self.drafter_shared:
-            y += expert_ffn(x, np.zeros((len(x), 1), np.int64), np.ones((len(x), 1), np.float32), self.drafter_shared[k], threads=self.threads)
+            y += expert_ffn(x, np.zeros((len(x), 1), np.int64), np.ones((len(x), 1), np.float32), self.drafter_shared[k],
+                            threads=self.threads, streams=self.plan.cpu_moe_streams)
         self.seconds["dspark_moe"] += time.perf_counter() - t0
         return torch.from_numpy(y).to(device=m.device, dtype=m.dtype)
 

@@ -29,6 +29,7 @@ class Plan:
     fetch_fraction: float = 0.5           # hybrid: share of each layer's misses gathered to the device
     slot_cache_experts: int = 0           # device slot cache size (experts, all layers together), LRU
     cpu_threads: int = 0                  # CPU-MoE threads; 0 = one per physical core
+    cpu_moe_streams: int = 4              # DRAM streams per CPU-MoE thread: 1 (rows in order) | 4 (four rows apart); exact
     host_expert_budget_gib: float | None = None   # routed experts kept in host RAM; None = all; the rest on NVMe
     expert_nvme_path: str = "nvme_direct"  # experts beyond the budget: O_DIRECT batched reads | nvme_mmap: page cache
     prefill_chunk: int = 512              # prompt tokens per prefill chunk
@@ -55,6 +56,8 @@ class Plan:
                               ("prefill_moe_path", PREFILL_MOE_PATHS)):
             if getattr(self, name) not in allowed:
                 bad(name, f"must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.cpu_moe_streams not in (1, 4):
+            bad("cpu_moe_streams", f"must be 1 or 4, got {self.cpu_moe_streams}")
         if not 0.0 <= self.fetch_fraction <= 1.0:
             bad("fetch_fraction", f"must be in [0, 1], got {self.fetch_fraction}")
         for name in ("slot_cache_experts", "cpu_threads", "prefill_buffer_mib", "engram_row_cache_mib"):

@@ -14,7 +14,7 @@ import numpy as np
 
 from hostinfo import llc_bytes, probe_budget_bytes
 from hostinfo.measure import Measurement, measure
-from kernels.cpu_moe import Fp4Bank, expert_ffn
+from kernels.cpu_moe import ROW_STREAMS, Fp4Bank, expert_ffn
 
 # name -> (hidden, expert intermediate, top_k): the served geometries every profile carries
 GEOMETRIES = {"deepseek-v4.1-flash": (5120, 2304, 6), "deepseek-v4-flash": (4096, 2048, 6)}
@@ -51,7 +51,8 @@ def random_bank(H: int, I: int, top_k: int, seed: int = 0, budget: int | None = 
     return Fp4Bank.random(n, H, I, seed=seed), note
 
 
-def cpu_moe(bank: Fp4Bank, tokens: int, threads: int, top_k: int, repeats: int = 10, note: str = "") -> Measurement:
+def cpu_moe(bank: Fp4Bank, tokens: int, threads: int, top_k: int, repeats: int = 10, note: str = "",
+            streams: int = 4) -> Measurement:
     """tokens == 1: decode (top_k fresh experts); 2..8: a verify batch whose experts overlap (drawn
     from 2*top_k); > 8: a prefill width (all tokens on one expert per step)."""
     H, E = bank.hidden, bank.n_experts
@@ -75,11 +76,22 @@ def cpu_moe(bank: Fp4Bank, tokens: int, threads: int, top_k: int, repeats: int =
         i = state["i"] % len(plans)
         state["i"] += 1
         ids = plans[i]
-        expert_ffn(x, ids, np.ones(ids.shape, np.float32), bank, threads=threads)
+        expert_ffn(x, ids, np.ones(ids.shape, np.float32), bank, threads=threads, streams=streams)
     m = measure(step, repeats=repeats, warmup=2)
     nbytes = float(np.mean(sizes))
     k = plans[0].shape[1]
     flop = 2 * 3 * H * bank.inter * tokens * k
     g = Measurement(m.map(lambda s: nbytes / s / 1e9, "GB/s").samples, "GB/s", note=note,
-                    extra={"gflops": flop / m.median / 1e9, "bank_experts": E, "top_k": top_k})
+                    extra={"gflops": flop / m.median / 1e9, "bank_experts": E, "top_k": top_k, "streams": streams})
     return g
+
+
+def row_streams(bank: Fp4Bank, threads: int, top_k: int, rounds: int = 5, note: str = "") -> tuple[int, dict]:
+    """Which row layout (kernels/cpu_moe.py ROW_STREAMS) reads this host's DRAM faster: batch 1, fresh
+    experts, every layout once per round (drift hits all alike). -> (the faster one, {layout: samples})."""
+    samples = {s: [] for s in ROW_STREAMS}
+    for _ in range(rounds):
+        for s in ROW_STREAMS:
+            samples[s] += cpu_moe(bank, 1, threads, top_k, repeats=3, note=note, streams=s).samples
+    best = max(ROW_STREAMS, key=lambda s: float(np.median(samples[s])))
+    return best, {s: Measurement(tuple(v), "GB/s", note=note) for s, v in samples.items()}

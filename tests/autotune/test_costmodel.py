@@ -120,6 +120,19 @@ def test_cpu_only_host_gets_cpu_plans(epyc, v41):
     assert not r.feasible and "no GPU" in r.why[0]
 
 
+def test_the_row_layout_comes_from_the_hosts_measurement(epyc, v41):
+    """cpu_moe_streams is a measured fact of the host (the profiler's interleaved layouts), not searched:
+    every plan carries the faster layout; a profile without the probe keeps the kernel's default."""
+    one = copy.deepcopy(epyc)
+    one["measurements"]["cpu_moe_streams"] = {"best": 1, "geometry": "5120x2304", "threads": 2, "gbs": {}}
+    _, res = search(one, v41, Workload(1024, 64), n_trials=40)
+    assert res and all(p.cpu_moe_streams == 1 for p, _ in res)
+    epyc_plain = copy.deepcopy(epyc)
+    epyc_plain["measurements"].pop("cpu_moe_streams", None)
+    _, res = search(epyc_plain, v41, Workload(1024, 64), n_trials=20)
+    assert res and all(p.cpu_moe_streams == 4 for p, _ in res)
+
+
 def test_cpu_host_dense_term_is_the_runtime_path(epyc, v41):
     """On a CPU host the dense term is (fp8 dense as stored + 2 x head) bytes at the measured dense-path rate,
     the shared expert its own term on the CPU-MoE kernel; without the figure it falls back to DRAM, and says so."""

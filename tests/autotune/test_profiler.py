@@ -26,6 +26,10 @@ def test_quick_profile_is_complete_and_valid(quick_profile, tiny_dir):
     geoms = {e["geometry"] for e in m["cpu_moe_gbs"]}
     assert {"64x64", "5120x2304", "4096x2048"} <= geoms  # served geometry + both full-size ones
     assert all(e["median"] > 0 for e in m["cpu_moe_gbs"])
+    lay = m["cpu_moe_streams"]                          # the row layout, measured on real-sized experts
+    assert lay["geometry"] == "5120x2304" and set(lay["gbs"]) == {"1", "4"}
+    assert lay["best"] == max((1, 4), key=lambda s: lay["gbs"][str(s)]["median"])
+    assert all(e["extra"]["streams"] == lay["best"] for e in m["cpu_moe_gbs"] if "extra" in e)
     for k in ("pcie_h2d_gbs", "pcie_gather_gbs"):
         assert "skipped" in m[k] or m[k]["median"] > 0  # never a zero
     qds = [e["qd"] for e in m["nvme_randread_4k"]]

@@ -68,18 +68,22 @@ bank = Fp4Bank.random(4, 256, 128, seed=4)
 rng = np.random.default_rng(0)
 x = rng.standard_normal((16, 256)).astype(np.float32)
 ids = rng.integers(0, 4, (16, 6)); w = rng.random((16, 6)).astype(np.float32)
-np.save(sys.argv[1], np.stack([expert_ffn(x, ids, w, bank, threads=t) for t in (1, 3, 4)]))
+np.save(sys.argv[1], np.stack([expert_ffn(x, ids, w, bank, threads=t, streams=s) for t in (1, 3, 4) for s in (4, 1)]))
 """
 
 
 def test_bit_identical_for_any_thread_count(tmp_path):
-    """1, 3 and 4 threads (numba runs 4 threads on any host, one core included) give the same bits."""
+    """1, 3 and 4 threads (numba runs 4 threads on any host, one core included), each row layout
+    (one DRAM stream per thread or four), give the same bits."""
     out = tmp_path / "y.npy"
     env = dict(os.environ, NUMBA_NUM_THREADS="4")
     p = subprocess.run([sys.executable, "-c", THREADS_SCRIPT, str(out)], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     y = np.load(out)
-    assert np.array_equal(y[0], y[1]) and np.array_equal(y[0], y[2]) and np.abs(y[0]).sum() > 0
+    assert all(np.array_equal(y[0], y[i]) for i in range(1, len(y))) and np.abs(y[0]).sum() > 0
+    with pytest.raises(ValueError, match="streams"):
+        bank = Fp4Bank.random(2, 64, 32)
+        expert_ffn(np.ones((1, 64), np.float32), np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32), bank, streams=2)
 
 
 def test_dense_prefill_path():
@@ -135,6 +139,7 @@ bank = Fp4Bank.random(6, 160, 96, seed=1)
 x = rng.standard_normal((3, 160)).astype(np.float32)
 ids = np.array([[0, 5], [5, 2], [1, 1]]); w = rng.random((3, 2)).astype(np.float32)
 y = expert_ffn(x, ids, w, bank); r = expert_ffn_reference(x, ids, w, bank).numpy()
+assert np.array_equal(y, expert_ffn(x, ids, w, bank, streams=1)), "row layouts differ"
 err = np.linalg.norm(y - r) / np.linalg.norm(r)
 d = dequant_experts(bank.w2_codes, bank.w2_scales, [4])[0]
 dr = dequantize_mxfp4(torch.from_numpy(bank.w2_codes[4]), torch.from_numpy(bank.w2_scales[4])).numpy()

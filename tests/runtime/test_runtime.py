@@ -156,11 +156,13 @@ def test_sparse_path_is_exercised(ck, ref, case):
     assert visible_rows > cfg.index_topk and st.indexer_peak_bytes > 0   # the indexer really selects
 
 
-def test_threads_do_not_change_bits(ck, case):
+def test_threads_and_row_layout_do_not_change_bits(ck, case):
     prompt, _ = case
-    a = Engine(ck, Plan(cpu_threads=1)).generate(prompt, 8, keep_logits=True)
-    b = Engine(ck, Plan(cpu_threads=2)).generate(prompt, 8, keep_logits=True)
-    assert a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+    for one, other in ((Plan(cpu_threads=1), Plan(cpu_threads=2)), (Plan(cpu_threads=1), Plan(cpu_threads=2, cpu_moe_streams=1)),
+                       (Plan(dspark=True), Plan(dspark=True, cpu_moe_streams=1))):      # the drafter's experts too
+        a = Engine(ck, one).generate(prompt, 8, keep_logits=True)
+        b = Engine(ck, other).generate(prompt, 8, keep_logits=True)
+        assert a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)), other
 
 
 def test_temperature_sampling_is_seeded(ck, case):
