@@ -31,6 +31,12 @@ def _common_notes(plan: Plan, notes: list, engine: str) -> None:
                      f"{plan.expert_nvme_path}): {engine} has no NVMe expert tier")
 
 
+def _kernel_notes(plan: Plan, notes: list, engine: str) -> None:
+    if plan.moe_strategy != "offload":
+        notes.append(f"cpu_moe_streams={plan.cpu_moe_streams}: dsv41's CPU-MoE row layout measured faster on this host; "
+                     f"{engine}'s own CPU kernels pick their access order themselves")
+
+
 def _vram_share(plan: Plan, card_gib: float | None) -> str | None:
     if plan.vram_budget_gib is None or not card_gib:
         return None
@@ -55,6 +61,7 @@ def sglang(plan: Plan, cfg: ModelConfig, model: str, card_gib: float | None = No
                  f"CPU-MoE threads: SGLang computes every expert on the GPU (expert parallelism across GPUs); it has no "
                  f"CPU expert path or slot cache, so the weights must fit the GPUs")
     _common_notes(plan, notes, "SGLang")
+    _kernel_notes(plan, notes, "SGLang")
     return words, env, notes
 
 
@@ -79,6 +86,7 @@ def vllm(plan: Plan, cfg: ModelConfig, model: str, expert_bytes: int, card_gib: 
     # CacheConfig.swa_bounded_replay: inexact like dsv41's bounded_replay; an exact plan turns it off explicitly
     words += ["--swa-bounded-replay" if plan.prefill_mode == "bounded_replay" else "--no-swa-bounded-replay"]
     _common_notes(plan, notes, "vLLM")
+    _kernel_notes(plan, notes, "vLLM")
     return words, env, notes
 
 
@@ -107,6 +115,7 @@ def llama_cpp(plan: Plan, cfg: ModelConfig, model: str):
         notes.append(f"dspark (draft length {plan.draft_length}): the V4.1 branch has no DSpark drafter (one contributor's port only)")
     if plan.prefill_mode == "bounded_replay":
         notes.append("prefill_mode=bounded_replay: not in llama.cpp (full prefill)")
+    _kernel_notes(plan, notes, "llama.cpp")
     if plan.host_expert_budget_gib is not None:
         notes.append(f"host_expert_budget_gib={plan.host_expert_budget_gib:.1f}: llama.cpp maps the file; experts past RAM "
                      f"are paged from disk by the kernel, not read in batches")

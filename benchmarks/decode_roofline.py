@@ -10,8 +10,12 @@ decode: plan `cpu`, all threads, warm. Rooflines:
                     expert through the same kernel, the dense linears through the runtime's own
                     kernels (the FP8 kernel over the weights as stored; torch for the float32 head)
   decode_kernel_ratio = measured / kernel-bound: what the runtime adds on top of its kernels
-prefill: one chunk over the prompt; roofline = 1 / max(full-pass bytes / stream, FLOP / kernel FLOP/s
-at the prompt's width) per chunk. The mini checkpoint is made (about 2 minutes) if absent.
+prefill: one chunk over the prompt; roofline = P / max(full-pass bytes / stream, P x FLOP per token /
+the host's peak matmul FLOP/s), the peak measured in this run (the better of torch's float32 and bf16
+2048^3 matmuls: the host's, not the project's kernel); FLOP per token = routed and shared experts (2 x 3 H I (K + shared) L)
++ the dense linears (2 x their weights); attention's FLOP left out (the roofline is then an upper
+bound). Also shown: the same bound at the CPU-MoE kernel's own FLOP/s at the prompt's width. The mini
+checkpoint is made (about 2 minutes) if absent.
 """
 from __future__ import annotations
 
@@ -36,6 +40,16 @@ from runtime.checkpoint.reader import Checkpoint  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
 from runtime.plan import Plan  # noqa: E402
 from runtime.workload import make_prompt  # noqa: E402
+
+
+def matmul_peak_flops(threads: int, n: int = 2048) -> float:
+    """The host's peak matmul FLOP/s: the better of torch's float32 and bf16 n^3 matmuls (median of 5)."""
+    torch.set_num_threads(threads)
+    best = 0.0
+    for dt in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
+        best = max(best, 2 * n ** 3 / measure(lambda: a @ b, repeats=5, warmup=1).median)
+    return best
 
 
 def main(argv=None):
@@ -93,11 +107,17 @@ def main(argv=None):
     flops = 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * n / mp.median
     P, L, K = args.prompt_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok
     t_bytes = (fp.full_pass_bytes + fp.dense_bytes_per_token) / (stream.median * 1e9)
-    t_flop = 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * K * P * L / flops
+    routed_flop = 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * (K + cfg.n_shared_experts) * L   # routed + shared experts
+    dense_flop = 2 * sum(w.q.size if isinstance(w, Fp8Weight) else w.numel() for w in dense)
+    peak = matmul_peak_flops(T)
+    t_flop = P * (routed_flop + dense_flop) / peak
     prefill_roof = P / max(t_bytes, t_flop)
+    kernel_roof = P / max(t_bytes, P * routed_flop / flops + P * dense_flop / peak)
     out = {"decode_tok_s": decode, "decode_roofline_tok_s": roof, "decode_ratio": decode / roof,
            "decode_kernel_bound_tok_s": 1 / t_kernel, "decode_kernel_ratio": decode * t_kernel,
            "prefill_tok_s": prefill, "prefill_roofline_tok_s": prefill_roof, "prefill_ratio": prefill / prefill_roof,
+           "matmul_peak_gflops": peak / 1e9, "cpu_moe_prefill_gflops": flops / 1e9,
+           "prefill_kernel_roofline_tok_s": kernel_roof, "prefill_kernel_ratio": prefill / kernel_roof,
            "stream_gbs": stream.median, "cpu_moe_kernel_gbs": kernel_gbs, "dense_gemv_gbs": dense_gbs,
            "bytes_per_token_footprint": bytes_tok, "dense_bytes_runtime": dense_bytes_rt,
            "prefill_bound": "flop" if t_flop > t_bytes else "bytes", "threads": T,
@@ -105,7 +125,9 @@ def main(argv=None):
            "outside_phases_per_layer_us": runs[-1].phases["outside_phases_per_layer_us"]}
     print(f"decode  {decode:6.2f} tok/s | roofline {roof:6.2f} (stream {stream.median:.1f} GB/s / {bytes_tok / 1e9:.3f} GB) "
           f"ratio {out['decode_ratio']:.2f} | kernel-bound {1 / t_kernel:6.2f} ratio {out['decode_kernel_ratio']:.2f}")
-    print(f"prefill {prefill:6.1f} tok/s | roofline {prefill_roof:6.1f} ({out['prefill_bound']}-bound) ratio {out['prefill_ratio']:.2f}")
+    print(f"prefill {prefill:6.1f} tok/s | roofline {prefill_roof:6.1f} ({out['prefill_bound']}-bound, peak matmul {peak / 1e9:.0f} "
+          f"GFLOP/s) ratio {out['prefill_ratio']:.2f} | at the CPU-MoE kernel's {flops / 1e9:.0f} GFLOP/s: {kernel_roof:6.1f}, "
+          f"ratio {out['prefill_kernel_ratio']:.2f}")
     print("per-token phases (s): " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(out["phases_per_token_s"].items()))
           + f"; outside every phase {out['outside_phases_per_layer_us']:.0f} us per layer")
     engine.close()
