@@ -2,11 +2,12 @@
 on one engine (runtime/scheduler.py), interleaved in one run, beside the cost model's prediction.
 
   python benchmarks/concurrency.py [--checkpoint out/mini] [--profile HOST.json] [--streams 1 2 4 8]
-                                   [--rounds 3] [--prompt-tokens 64] [--max-tokens 16] [--json]
+                                   [--rounds 3] [--prompt-tokens 64] [--max-tokens 16] [--dspark D] [--json]
 
 Each round runs every stream count once (1, 2, 4, 8, 1, 2, ...): c sequences of natural-text prompts
-are added together, prefilled, then decoded together; every decode step's wall time is an ITL sample of
-each of its streams and c / step time an aggregate sample. The prediction (with --profile, a profile of
+are added together, prefilled, then decoded together; each decode step gives an aggregate sample (tokens
+it decided / its wall time) and an ITL sample (its wall time per token of one stream: c tokens per step
+without DSpark, more with `--dspark D`, each stream's drafts verified in the same step). The prediction (with --profile, a profile of
 this host for this checkpoint): autotune.costmodel at concurrency c, max_num_seqs = the largest count.
 """
 from __future__ import annotations
@@ -29,17 +30,18 @@ from runtime.scheduler import Scheduler, Sequence  # noqa: E402
 from runtime.workload import Workload, make_prompts  # noqa: E402
 
 
-def one_round(engine, prompts, max_tokens) -> list[float]:
-    """c streams together -> the wall time of every step in which all of them decoded."""
+def one_round(engine, prompts, max_tokens) -> list[tuple[float, int]]:
+    """c streams together -> (wall time, tokens decided) of every step in which all of them decoded
+    (with DSpark a step decides each stream's accepted drafts and the target's next token)."""
     sched = Scheduler(engine)
     seqs = [sched.add(Sequence(p, max_tokens)) for p in prompts]
     steps = []
     while sched.busy:
         decoding = all(s.decoding for s in seqs) and all(not s.finished for s in seqs)
         t0 = time.perf_counter()
-        sched.step()
+        out = sched.step()
         if decoding:
-            steps.append(time.perf_counter() - t0)
+            steps.append((time.perf_counter() - t0, len(out)))
     return steps
 
 
@@ -51,12 +53,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--dspark", type=int, default=0, metavar="D", help="DSpark with draft length D (each stream's drafts verified in the step)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     ck = Checkpoint(a.checkpoint)
     n = max(a.streams)
     plan = Plan(max_num_seqs=n, max_batched_tokens=n * a.prompt_tokens, prefill_chunk=a.prompt_tokens,
-                max_context=a.prompt_tokens + a.max_tokens + 8, geometry_hash=ck.config.geometry_hash())
+                max_context=a.prompt_tokens + a.max_tokens + 8, geometry_hash=ck.config.geometry_hash(),
+                dspark=a.dspark > 0, draft_length=max(1, a.dspark))
     tok = Tokenizer.from_file(str(ck.root / "tokenizer.json"))
     e = Engine(ck, plan)
     one_round(e, make_prompts(tok, a.prompt_tokens, 1, seed=99), 3)             # warm the kernels
@@ -65,8 +69,8 @@ def main(argv=None) -> dict:
         for r in range(a.rounds):                                               # interleaved: 1, 2, 4, 8, 1, ...
             for c in a.streams:
                 steps = one_round(e, make_prompts(tok, a.prompt_tokens, c, seed=1000 * r + c), a.max_tokens)
-                samples[c]["itl"] += steps
-                samples[c]["aggregate"] += [c / s for s in steps]
+                samples[c]["itl"] += [dt * c / k for dt, k in steps]             # per stream, per token
+                samples[c]["aggregate"] += [k / dt for dt, k in steps]
     finally:
         e.close()
     pred = {}
