@@ -108,6 +108,30 @@ def forward_terms(ck: Checkpoint, quick: bool, threads: int, contexts=None, chun
     return out
 
 
+def expert_tier_read(ck: Checkpoint, threads: int, calls: int = 6) -> Measurement:
+    """GB/s of the expert NVMe tier as a decode step reads it: PlacedExperts._fetch of one layer's top_k
+    experts (O_DIRECT batched reads at the runtime's depth, sliced and copied into a bank), fresh
+    experts every call, every expert on the tier (host_expert_budget_gib 0)."""
+    from runtime.experts import PlacedExperts
+    cfg = ck.config
+    K, E, L = cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.num_hidden_layers
+    pe = PlacedExperts(ck, Plan(moe_strategy="cpu", cpu_threads=threads, host_expert_budget_gib=0.0))
+    samples = []
+    try:
+        for i in range(calls + 1):                        # the first call warms the reader (its ring, buffers)
+            experts = sorted({(K * i + k) % E for k in range(K)})
+            t0 = time.perf_counter()
+            bank, _ = pe._fetch(i % L, experts)
+            dt = time.perf_counter() - t0
+            del bank
+            if i:
+                samples.append(len(experts) * cfg.expert_bytes / dt / 1e9)
+    finally:
+        pe.close()
+    return Measurement(tuple(samples), "GB/s", note=f"the expert tier through the runtime: {K} experts of "
+                       f"{cfg.expert_bytes / 2**20:.1f} MiB per call (PlacedExperts._fetch, {pe.reader.engine if pe.reader else 'mmap'})")
+
+
 def fixed_costs(ck: Checkpoint, threads: int, repeats: int = 20, device: str | None = None) -> dict:
     """{strategy: figure (us per MoE layer call) or {skipped}} through PlacedExperts at this geometry.
     The device strategies run on CUDA (`device` overrides it: tests run their code on the CPU stand-in)."""

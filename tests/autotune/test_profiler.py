@@ -9,6 +9,7 @@ from autotune.cli import main as tune_main
 from hostinfo import cuda_available
 from hostinfo.fingerprint import compare, fingerprint
 from runtime.profile import HARD_FIELDS, load_profile
+from runtime.checkpoint.reader import Checkpoint
 from runtime.io_reader import BatchedReader
 
 
@@ -106,3 +107,13 @@ def test_a_runtime_probe_the_host_cannot_hold_is_skipped_with_its_reason(tiny_di
     assert set(out) == {"dense_path_gbs", "dense_path_tflops", "attention_s_per_token", "engram_rows_s",
                         "shared_call_us", "step_other_s_per_layer"}
     assert all("2.00 GiB are available" in v["skipped"] for v in out.values())
+
+
+def test_the_expert_tier_is_read_through_the_runtime(tiny_dir):
+    """The NVMe expert tier's figure is PlacedExperts._fetch of one layer's top_k experts, timed per call
+    (the profiler uses it for experts of >= 1 MiB; tiny's are toy-sized, the path is the same)."""
+    from autotune.probes.runtime_paths import expert_tier_read
+    ck = Checkpoint(tiny_dir)
+    m = expert_tier_read(ck, 1, calls=3)
+    assert len(m.samples) == 3 and min(m.samples) > 0 and m.unit == "GB/s"
+    assert f"{ck.config.num_experts_per_tok} experts" in m.note
