@@ -80,3 +80,34 @@ def select(src: Compressed, qi, wh, pos, window: int, topk: int, dtype, device):
         idx[b0:b0 + Q_BLOCK], ok[b0:b0 + Q_BLOCK] = order[:, :k], torch.isfinite(val[:, :k])
         peak = max(peak, nbytes(score, idx, ok, val, order))
     return idx, ok, peak
+
+
+def attend_decode(q, pos, k_new, v_new, rings: list, window: int, globs: list):
+    """S sequences' one decode query each in one batched pass (continuous batching): the same
+    arithmetic as `attend` per sequence, its rings stacked [S, R, C] and each sequence's selected rows
+    padded to the widest (padding masked out). q [S, Hq, C] at pos [S]; k_new, v_new [S, C]; globs[s]:
+    glob(0, 1) of sequence s, or None for window layers. -> [S, Hq, C]."""
+    S, C = q.shape[0], q.shape[-1]
+    scale = 1.0 / math.sqrt(C)
+    rk = torch.stack([r.data[0] for r in rings])                                      # [S, R, C]
+    rv = torch.stack([r.data[1] for r in rings])
+    rp = torch.stack([r.pos for r in rings])                                          # [S, R]
+    rp = torch.where((rp >= 0) & (rp < pos[:, None]), rp, NEVER)                      # stale slots (rollback) hidden
+    K, V = torch.cat([rk, k_new[:, None]], 1), torch.cat([rv, v_new[:, None]], 1)   # [S, N, C]
+    kpos = torch.cat([rp, pos[:, None]], 1)                                           # [S, N]
+    mask = (kpos <= pos[:, None]) & (kpos > pos[:, None] - window)
+    s = torch.matmul(q, K.transpose(1, 2)).mul_(scale).masked_fill_(~mask[:, None], float("-inf"))   # [S, Hq, N]
+    if globs[0] is None:
+        return torch.matmul(torch.softmax(s, -1), V)
+    parts = [g(0, 1) for g in globs]                                                  # ([1, k, C], [1, k, C], [1, k])
+    k = max(p[0].shape[1] for p in parts)
+    gk = q.new_zeros(S, k, C)
+    gv = q.new_zeros(S, k, C)
+    ok = torch.zeros(S, k, dtype=torch.bool, device=q.device)
+    for j, (a, b, o) in enumerate(parts):
+        n = a.shape[1]
+        gk[j, :n], gv[j, :n], ok[j, :n] = a[0], b[0], o[0]
+    sg = torch.matmul(q, gk.transpose(1, 2)).mul_(scale).masked_fill_(~ok[:, None], float("-inf"))   # [S, Hq, k]
+    p = torch.softmax(torch.cat([s, sg], -1), -1)
+    N = K.shape[1]
+    return torch.matmul(p[..., :N], V) + torch.matmul(p[..., N:], gv)

@@ -32,7 +32,7 @@ import torch
 from kernels.engram_hash import engram_rows, slot_ranges, slot_seeds
 from kernels.fp8_dense import Fp8Weight, fp8_linear
 from runtime.config import ModelConfig
-from runtime.model.attention import attend, select
+from runtime.model.attention import attend, attend_decode, select
 from runtime.model.kv import SeqState
 from runtime.model.weights import DeviceFp8Weight
 
@@ -168,7 +168,7 @@ class Model:
             for sg in segs:
                 self._write_source(sg.st, i, a[sg.a:sg.b], pos[sg.a:sg.b])
         t_att = time.perf_counter()            # attention: the indexer, the selected rows, the window
-        outs = []
+        globs = []
         for sg, s_sel in zip(segs, sel):       # per sequence, over its own state
             st, r = sg.st, slice(sg.a, sg.b)
             glob = None
@@ -177,9 +177,21 @@ class Model:
                 if x == i:
                     s_sel[i] = self._select(st, i, a[r], ql[r], pos[r])
                 glob = self._selected_rows(st.sources[c.kv_source_of(i)], *s_sel[x])
-            outs.append(attend(q[r], pos[r], k_new[r], cw[r], st.windows[i], c.window_size, glob))
-            st.windows[i].write(pos[r], k_new[r], cw[r])
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+            globs.append(glob)
+        # one-query segments (decode tokens) in one batched pass: the same arithmetic alone or batched,
+        # whatever else shares the step; longer ones (prompt chunks, verify blocks) per sequence
+        ones = [j for j, sg in enumerate(segs) if sg.b - sg.a == 1]
+        out = torch.empty_like(q)
+        if ones:
+            at = torch.tensor([segs[j].a for j in ones], device=self.device)
+            out[at] = attend_decode(q[at], pos[at], k_new[at], cw[at], [segs[j].st.windows[i] for j in ones], c.window_size,
+                                    [globs[j] for j in ones])
+        for sg, g in zip(segs, globs):
+            if sg.b - sg.a > 1:
+                r = slice(sg.a, sg.b)
+                out[r] = attend(q[r], pos[r], k_new[r], cw[r], sg.st.windows[i], c.window_size, g)
+        for sg in segs:
+            sg.st.windows[i].write(pos[sg.a:sg.b], k_new[sg.a:sg.b], cw[sg.a:sg.b])
         self.phases.add("attention", t_att)
         t_wo = time.perf_counter()
         h = h + self.L(f"layers.{i}.attn.wo", out.reshape(len(h), -1))
