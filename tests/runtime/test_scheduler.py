@@ -1,7 +1,6 @@
 """Continuous batching (runtime/scheduler.py): sequences sharing forward passes decode as they would
 alone, the step's token budget interleaves prefill with decode, admission counts every sequence's
 memory, and a batched step reads the union of its sequences' experts once."""
-import numpy as np
 import pytest
 import torch
 
