@@ -21,6 +21,8 @@ logits = rmsnorm(h, norm) head^T.
 """
 from __future__ import annotations
 
+import functools
+
 import math
 import time
 from collections import defaultdict
@@ -42,11 +44,15 @@ def rmsnorm(x, w=None, eps=1e-6):
     return y if w is None else y * w
 
 
+@functools.lru_cache(maxsize=8)
+def _inv_freq(d: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(d, dtype=torch.float64) / d))
+
+
 def rope(x, pos, theta):
     """Rotate-half RoPE over the last dim of x [..., T, (heads,) D] at integer positions pos [T]."""
     d = x.shape[-1] // 2
-    inv = 1.0 / (theta ** (torch.arange(d, dtype=torch.float64) / d))
-    ang = pos.to(torch.float64)[:, None] * inv[None]                       # [T, d]
+    ang = pos.to(torch.float64)[:, None] * _inv_freq(d, theta)[None]       # [T, d]
     cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
     if x.dim() == 3:                                                       # [T, heads, D]
         cos, sin = cos[:, None], sin[:, None]
