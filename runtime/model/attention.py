@@ -82,12 +82,12 @@ def select(src: Compressed, qi, wh, pos, window: int, topk: int, dtype, device):
     return idx, ok, peak
 
 
-def attend_decode(q, pos, k_new, v_new, rings: list, window: int, globs: list):
+def attend_decode(q, pos, k_new, v_new, rings: list, window: int, sel=None):
     """S sequences' one decode query each in one batched pass (continuous batching): the same
-    arithmetic as `attend` per sequence, its rings stacked [S, R, C] and each sequence's selected rows
-    padded to the widest (padding masked out). q [S, Hq, C] at pos [S]; k_new, v_new [S, C]; globs[s]:
-    glob(0, 1) of sequence s, or None for window layers. -> [S, Hq, C]."""
-    S, C = q.shape[0], q.shape[-1]
+    arithmetic as `attend` per sequence, its rings stacked [S, R, C]. q [S, Hq, C] at pos [S]; k_new,
+    v_new [S, C]; sel: None (window layers) or each sequence's selected rows, padded to the widest:
+    (roped keys [S, k, C], values [S, k, C], ok [S, k], padding False). -> [S, Hq, C]."""
+    C = q.shape[-1]
     scale = 1.0 / math.sqrt(C)
     rk = torch.stack([r.data[0] for r in rings])                                      # [S, R, C]
     rv = torch.stack([r.data[1] for r in rings])
@@ -97,16 +97,9 @@ def attend_decode(q, pos, k_new, v_new, rings: list, window: int, globs: list):
     kpos = torch.cat([rp, pos[:, None]], 1)                                           # [S, N]
     mask = (kpos <= pos[:, None]) & (kpos > pos[:, None] - window)
     s = torch.matmul(q, K.transpose(1, 2)).mul_(scale).masked_fill_(~mask[:, None], float("-inf"))   # [S, Hq, N]
-    if globs[0] is None:
+    if sel is None:
         return torch.matmul(torch.softmax(s, -1), V)
-    parts = [g(0, 1) for g in globs]                                                  # ([1, k, C], [1, k, C], [1, k])
-    k = max(p[0].shape[1] for p in parts)
-    gk = q.new_zeros(S, k, C)
-    gv = q.new_zeros(S, k, C)
-    ok = torch.zeros(S, k, dtype=torch.bool, device=q.device)
-    for j, (a, b, o) in enumerate(parts):
-        n = a.shape[1]
-        gk[j, :n], gv[j, :n], ok[j, :n] = a[0], b[0], o[0]
+    gk, gv, ok = sel
     sg = torch.matmul(q, gk.transpose(1, 2)).mul_(scale).masked_fill_(~ok[:, None], float("-inf"))   # [S, Hq, k]
     p = torch.softmax(torch.cat([s, sg], -1), -1)
     N = K.shape[1]

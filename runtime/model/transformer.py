@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from kernels.engram_hash import engram_rows, slot_ranges, slot_seeds
+from kernels.formats import dequantize_fp4_e4m3
 from kernels.fp8_dense import Fp8Weight, fp8_linear
 from runtime.config import ModelConfig
 from runtime.model.attention import attend, attend_decode, select
@@ -174,27 +175,26 @@ class Model:
             for sg in segs:
                 self._write_source(sg.st, i, a[sg.a:sg.b], pos[sg.a:sg.b])
         t_att = time.perf_counter()            # attention: the indexer, the selected rows, the window
-        globs = []
-        for sg, s_sel in zip(segs, sel):       # per sequence, over its own state
-            st, r = sg.st, slice(sg.a, sg.b)
-            glob = None
-            if c.layer_mode(i) != "window":
-                x = c.index_source_of(i)
+        glob_layer = c.layer_mode(i) != "window"
+        if glob_layer:
+            x = c.index_source_of(i)
+            for sg, s_sel in zip(segs, sel):   # the indexer per sequence, over its own state
                 if x == i:
-                    s_sel[i] = self._select(st, i, a[r], ql[r], pos[r])
-                glob = self._selected_rows(st.sources[c.kv_source_of(i)], *s_sel[x])
-            globs.append(glob)
+                    r = slice(sg.a, sg.b)
+                    s_sel[i] = self._select(sg.st, i, a[r], ql[r], pos[r])
         # one-query segments (decode tokens) in one batched pass: the same arithmetic alone or batched,
         # whatever else shares the step; longer ones (prompt chunks, verify blocks) per sequence
         ones = [j for j, sg in enumerate(segs) if sg.b - sg.a == 1]
         out = torch.empty_like(q)
         if ones:
             at = torch.tensor([segs[j].a for j in ones], device=self.device)
-            out[at] = attend_decode(q[at], pos[at], k_new[at], cw[at], [segs[j].st.windows[i] for j in ones], c.window_size,
-                                    [globs[j] for j in ones])
-        for sg, g in zip(segs, globs):
+            rows = self._selected_rows_batch([segs[j].st.sources[c.kv_source_of(i)] for j in ones],
+                                             [sel[j][x] for j in ones]) if glob_layer else None
+            out[at] = attend_decode(q[at], pos[at], k_new[at], cw[at], [segs[j].st.windows[i] for j in ones], c.window_size, rows)
+        for sg, s_sel in zip(segs, sel):
             if sg.b - sg.a > 1:
                 r = slice(sg.a, sg.b)
+                g = self._selected_rows(sg.st.sources[c.kv_source_of(i)], *s_sel[x]) if glob_layer else None
                 out[r] = attend(q[r], pos[r], k_new[r], cw[r], sg.st.windows[i], c.window_size, g)
         for sg in segs:
             sg.st.windows[i].write(pos[sg.a:sg.b], k_new[sg.a:sg.b], cw[sg.a:sg.b])
@@ -214,6 +214,23 @@ class Model:
             keys = rope(vals.reshape(-1, vals.shape[-1]), ((bi + 1) * r - 1).reshape(-1), theta).view_as(vals)
             return keys, vals, ok[b0:b1]
         return glob
+
+    def _selected_rows_batch(self, srcs, picks):
+        """One query per sequence: each sequence's selected rows (idx [1, k], ok [1, k]) from its own
+        source, padded to the widest k and dequantized and roped in one call (elementwise: the same
+        values as `_selected_rows` per sequence). -> (keys [S, k, C], values [S, k, C], ok [S, k])."""
+        k = max(idx.shape[1] for idx, _ in picks)
+        r, S = srcs[0].r, len(srcs)
+        codes = srcs[0].lat_codes.new_zeros(S, k, srcs[0].lat_codes.shape[1])
+        scales = srcs[0].lat_scales.new_zeros(S, k, srcs[0].lat_scales.shape[1])
+        row = torch.zeros(S, k, dtype=torch.long, device=self.device)
+        ok = torch.zeros(S, k, dtype=torch.bool, device=self.device)
+        for j, (src, (idx, o)) in enumerate(zip(srcs, picks)):
+            n = idx.shape[1]
+            codes[j, :n], scales[j, :n], row[j, :n], ok[j, :n] = src.lat_codes[idx[0]], src.lat_scales[idx[0]], idx[0], o[0]
+        vals = dequantize_fp4_e4m3(codes, scales, srcs[0].dtype)                       # [S, k, C]
+        keys = rope(vals.reshape(-1, vals.shape[-1]), ((row + 1) * r - 1).reshape(-1), self.cfg.rope_theta).view_as(vals)
+        return keys, vals, ok
 
     def _write_source(self, st, s, a, pos):
         st.sources[s].write(pos, self.L(f"layers.{s}.attn.wkv_c", a), self.L(f"layers.{s}.attn.wi_k", a))
