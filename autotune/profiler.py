@@ -176,7 +176,7 @@ def _cpu_moe_sweep(cfg, cores: int, quick: bool, step) -> tuple[list, tuple | No
         here = gname == f"{cfg.hidden_size}x{cfg.moe_intermediate_size}"
         if layout is None and bank.expert_bytes >= 1 << 20:
             step("CPU-MoE row layout")
-            streams, by = row_streams(bank, cores, K, rounds=3 if quick else 5, note=note)
+            streams, by = row_streams(bank, cores, K, rounds=1 if quick else 5, note=note, repeats=2 if quick else 3)
             layout = {"best": streams, "geometry": gname, "threads": cores, "source": "measured",
                       "gbs": {str(k): _fig(v) for k, v in by.items()}}
         for t in threads_sweep:

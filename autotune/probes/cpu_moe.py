@@ -86,12 +86,12 @@ def cpu_moe(bank: Fp4Bank, tokens: int, threads: int, top_k: int, repeats: int =
     return g
 
 
-def row_streams(bank: Fp4Bank, threads: int, top_k: int, rounds: int = 5, note: str = "") -> tuple[int, dict]:
+def row_streams(bank: Fp4Bank, threads: int, top_k: int, rounds: int = 5, note: str = "", repeats: int = 3) -> tuple[int, dict]:
     """Which row layout (kernels/cpu_moe.py ROW_STREAMS) reads this host's DRAM faster: batch 1, fresh
     experts, every layout once per round (drift hits all alike). -> (the faster one, {layout: samples})."""
     samples = {s: [] for s in ROW_STREAMS}
     for _ in range(rounds):
         for s in ROW_STREAMS:
-            samples[s] += cpu_moe(bank, 1, threads, top_k, repeats=3, note=note, streams=s).samples
+            samples[s] += cpu_moe(bank, 1, threads, top_k, repeats=repeats, note=note, streams=s).samples
     best = max(ROW_STREAMS, key=lambda s: float(np.median(samples[s])))
     return best, {s: Measurement(tuple(v), "GB/s", note=note) for s, v in samples.items()}
