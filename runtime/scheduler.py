@@ -5,8 +5,9 @@ sequence contributes its next token, and prefilling sequences contribute prompt 
 `prefill_chunk` tokens each) while the step's token budget (`max_batched_tokens`, default the prefill
 chunk) lasts, so a long prompt is prefilled across steps without stalling the streams. The linears and
 the experts run once over all the step's tokens (each MoE layer reads the union of their experts once);
-attention runs per sequence (runtime/model/transformer.py forward_many). Sampling is per sequence
-(its own seeded generator), as a request running alone samples.
+attention runs over each sequence's own state, the decode tokens of all of them in one batched pass
+(runtime/model/transformer.py forward_many, attention.attend_decode). Sampling is per sequence (its own
+seeded generator), as a request running alone samples.
 
 DSpark composes: with a drafter in the plan, each decoding sequence drafts up to draft_length tokens
 from its last verified position (the drafter runs per sequence), and the step verifies every

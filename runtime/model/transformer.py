@@ -113,7 +113,8 @@ class Model:
     def forward_many(self, states: list[SeqState], token_lists: list[list[int]], decoder_start: int = 0) -> list:
         """Several sequences' next tokens in one pass (continuous batching): the linears, the router and
         the experts run over all their tokens at once (each MoE layer reads the union of the step's
-        experts once), attention runs per sequence over its own state. One sequence is the plain
+        experts once), attention over each sequence's own state (one-query segments together:
+        attention.attend_decode). One sequence is the plain
         forward (decoder_start, bounded replay, only then). -> logits [T_s', V] per sequence."""
         c = self.cfg
         if decoder_start and len(states) > 1:
