@@ -87,6 +87,15 @@ def attention_scratch_bytes(plan: Plan, fp: Footprint, itemsize: int = 4) -> int
     return (2 * N * C + 3 * B * fp.num_attention_heads * (N + k) + 3 * B * k * C) * itemsize
 
 
+def decode_scratch_bytes(plan: Plan, fp: Footprint, itemsize: int = 4) -> int:
+    """The decode tokens of up to max_num_seqs sequences in one pass (attention.attend_decode): their
+    rings stacked and extended by the new position [S, R + 1, C] x 4, scores over R + 1 + index_topk x 3,
+    the selected rows [S, k, C] x 3. Never alongside `attention_scratch_bytes` (one runs after the other)."""
+    S, C, k = plan.max_num_seqs, fp.kv_lora_rank, fp.index_topk
+    R = fp.window_size - 1 + spare(plan)
+    return (4 * S * (R + 1) * C + 3 * S * fp.num_attention_heads * (R + 1 + k) + 3 * S * k * C) * itemsize
+
+
 def moe_scratch_bytes(fp: Footprint, T: int) -> int:
     """kernels/cpu_moe.py expert_ffn for T tokens: A = T K assignments packed (no padding), inputs
     [A, H], gate/up [A, 2I], SwiGLU [A, I], down [A, H] in float32 + token and k ids (16 B)."""
@@ -122,7 +131,8 @@ def _forward_terms(plan: Plan, fp: Footprint) -> dict:
     """The largest forward's temporaries (T = the prefill chunk, or a DSpark verify pass), by kind:
     residual  the residual stream, its norms and projections (8 [T, max(H, Hq C)] floats) and the
               Engram rows prefetched for every layer (float32)
-    attention the indexer peak + the block scratch + one fp8 tile of the widest linear and its output
+    attention the indexer peak + the block scratch (or the batched decode pass's, the larger) + one fp8
+              tile of the widest linear and its output
     moe       the MoE kernel's scratch
     logits    [T, V] floats
     io        the NVMe tier's fetched experts, the 4 KiB block each Engram row read (nvme_direct)
@@ -132,7 +142,7 @@ def _forward_terms(plan: Plan, fp: Footprint) -> dict:
     engram_reads = (T * fp.engram_bytes_per_token // fp.engram_row_bytes * IO_BLOCK
                     if plan.engram_placement == "nvme_direct" and fp.engram_row_bytes else 0)
     return {"residual": 8 * T * width * 4 + T * fp.engram_floats_per_token * 4,
-            "attention": indexer_bound_bytes(plan, fp) + attention_scratch_bytes(plan, fp)
+            "attention": indexer_bound_bytes(plan, fp) + max(attention_scratch_bytes(plan, fp), decode_scratch_bytes(plan, fp))
             + (FP8_TILE_ROWS * width + T * FP8_TILE_ROWS) * 4,
             "moe": moe_scratch_bytes(fp, T), "logits": T * fp.vocab_size * 4,
             "io": nvme_fetch_bytes(plan, fp, T) + engram_reads}
