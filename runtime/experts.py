@@ -79,18 +79,18 @@ class ReferenceExperts:
 class NumbaSlots:
     """Slot memory on the CPU 'device': ds_fp4 arrays computed by the numba kernel."""
 
-    def __init__(self, n, hidden, inter, threads=None, streams=4):
+    def __init__(self, n, hidden, inter, threads=None):
         z = np.zeros
         self.bank = Fp4Bank(z((n, 2 * inter, hidden // 2), np.uint8), z((n, 2 * inter, hidden // 32), np.uint8),
                             z((n, hidden, inter // 2), np.uint8), z((n, hidden, inter // 32), np.uint8))
-        self.threads, self.streams = threads, streams
+        self.threads = threads
 
     def put(self, slot, src: Fp4Bank, row):
         for name in ("w13_codes", "w13_scales", "w2_codes", "w2_scales"):
             getattr(self.bank, name)[slot] = getattr(src, name)[row]
 
     def compute(self, x, ids, wts) -> np.ndarray:
-        return expert_ffn(x, ids, wts, self.bank, threads=self.threads, streams=self.streams)
+        return expert_ffn(x, ids, wts, self.bank, threads=self.threads)
 
 
 class TritonSlots:
@@ -130,13 +130,13 @@ class TritonSlots:
         return y.cpu().numpy()
 
 
-def slot_memory(n, hidden, inter, device: str, threads=None, streams=4):
+def slot_memory(n, hidden, inter, device: str, threads=None):
     """The device slot cache's storage: Triton slots on CUDA (or when DSV41_SLOT_KERNEL=triton), else
     numba slots on the CPU."""
     import os
     if device.startswith("cuda") or os.environ.get("DSV41_SLOT_KERNEL") == "triton":
         return TritonSlots(n, hidden, inter, device)
-    return NumbaSlots(n, hidden, inter, threads, streams)
+    return NumbaSlots(n, hidden, inter, threads)
 
 
 class SlotCache:
