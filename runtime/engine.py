@@ -4,7 +4,8 @@ Prefill runs the prompt in chunks of `plan.prefill_chunk` (mode `full`: every la
 token; `bounded_replay`: the decoder only over the last window_size prompt tokens, inexact, opt-in);
 decode runs one token per step. Sampling is greedy (temperature 0) or temperature sampling from a
 seeded generator. `Engine(..., reference=True)` is the ground truth: float64, every expert
-dequantized with plain torch, the whole prompt in one chunk.
+dequantized with plain torch, the whole prompt in one chunk (DSpark still runs when the plan asks:
+greedy verification is lossless, and in float64 tests can check its bookkeeping bit for bit).
 """
 from __future__ import annotations
 
@@ -199,7 +200,7 @@ class Engine:
             cache = getattr(self.experts, "cache", None)
             hm0 = (cache.hits, cache.misses) if cache is not None else (0, 0)
             steps = (self._speculative(st, logits[-1], max_tokens, temperature, gen, keep, spec)
-                     if plan.dspark and not self.reference and cfg.dspark_num_layers else
+                     if plan.dspark and cfg.dspark_num_layers else
                      self._plain(st, logits[-1], max_tokens, temperature, gen, keep))
             for tok in steps:
                 if not out:

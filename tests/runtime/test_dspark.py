@@ -1,5 +1,14 @@
 """DSpark: greedy verification is lossless whatever the drafter proposes; speculative sampling keeps
-the target's distribution."""
+the target's distribution.
+
+Lossless is checked twice. On the float64 reference engine the verify pass computes what one-token
+decode computes up to float64 rounding, so tokens and logits must agree to 1e-9: any slip in the
+draft, verify or rollback bookkeeping shows. On the placed float32 runtime (what serves) a verify
+block sums in another order than one-token decode, and the CPU-MoE kernel quantizes each expert input
+to int8 per 32 values: a ~1e-7 difference that lands on a rounding midpoint moves one code by one step
+(measured on an AMX Xeon: one step of one prompt moved its logits by 3.7e-3, the rest by ~1e-6).
+There the tokens must match (within the greedy-margin rule) and the typical step must agree to float
+noise."""
 import pytest
 import torch
 from tokenizers import Tokenizer
@@ -9,6 +18,7 @@ from runtime.plan import Plan
 from runtime.workload import make_prompt
 
 N = 40
+TOL = 1.5e-3                     # the runtime's tolerance (tests/runtime/test_runtime.py)
 
 
 @pytest.fixture(scope="module")
@@ -19,6 +29,12 @@ def prompts(tiny_dir):
 
 @pytest.fixture(scope="module")
 def plain(tiny_dir, prompts):
+    e = Engine(tiny_dir, Plan(), reference=True)
+    return [e.generate(p, N, keep_logits=True) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def plain32(tiny_dir, prompts):
     e = Engine(tiny_dir, Plan())
     return [e.generate(p, N, keep_logits=True) for p in prompts]
 
@@ -48,13 +64,13 @@ def _oracle(engine, greedy_tokens, wrong_every=0):
 @pytest.mark.parametrize("drafter", ["distilled", "oracle", "oracle-mixed"])
 @pytest.mark.parametrize("draft_length", [1, 2, 3, 5])
 def test_greedy_verification_is_lossless(tiny_dir, prompts, plain, drafter, draft_length):
-    e = Engine(tiny_dir, Plan(dspark=True, draft_length=draft_length))
+    e = Engine(tiny_dir, Plan(dspark=True, draft_length=draft_length), reference=True)
     for prompt, ref in zip(prompts, plain):
         if drafter != "distilled":
             e.model.draft = _oracle(e, prompt + ref.tokens, wrong_every=3 if drafter == "oracle-mixed" else 0)
         out = e.generate(prompt, N, keep_logits=True)
         assert out.tokens == ref.tokens
-        assert max((a - b).abs().max().item() for a, b in zip(out.logits, ref.logits)) < 1e-4
+        assert max((a - b).abs().max().item() for a, b in zip(out.logits, ref.logits)) < 1e-9
         s = out.dspark
         assert s["steps"] > 0 and s["drafted"] >= s["accepted"] >= 0
         if drafter == "oracle":
@@ -62,6 +78,26 @@ def test_greedy_verification_is_lossless(tiny_dir, prompts, plain, drafter, draf
         if drafter == "oracle-mixed" and draft_length > 1:
             assert 0 < s["acceptance_rate"] < 1
     e.close()
+
+
+@pytest.mark.parametrize("draft_length", [1, 3])
+def test_the_placed_runtime_verifies_losslessly(tiny_dir, prompts, plain32, draft_length):
+    """float32, the served path (module docstring): greedy tokens as plain decode's, where they part
+    the reference's top-2 margin was inside 20x the runtime's tolerance (compared up to there); the
+    median step's logits within 1e-5."""
+    e = Engine(tiny_dir, Plan(dspark=True, draft_length=draft_length))
+    diffs = []
+    for prompt, ref in zip(prompts, plain32):
+        out = e.generate(prompt, N, keep_logits=True)
+        assert out.dspark["steps"] > 0 and out.dspark["accepted"] > 0
+        for k, (a, b) in enumerate(zip(out.logits, ref.logits)):
+            diffs.append((a - b).abs().max().item())
+            if out.tokens[k] != ref.tokens[k]:
+                top = torch.topk(b, 2).values
+                assert float(top[0] - top[1]) <= 20 * TOL, (len(prompt), k)
+                break
+    e.close()
+    assert len(diffs) >= N and sorted(diffs)[len(diffs) // 2] < 1e-5, diffs
 
 
 def test_speculative_sampling_keeps_the_target_distribution():
