@@ -17,7 +17,7 @@ import time
 import torch
 
 from autotune.routing import curve
-from hostinfo import cuda_available, probe_budget_bytes
+from hostinfo import cuda_available, probe_budget_bytes, ram_available_bytes
 from hostinfo.measure import Measurement
 from runtime.budget import dense_path_bytes
 from runtime.checkpoint.reader import Checkpoint
@@ -31,15 +31,19 @@ def _fig(m: Measurement, **kw) -> dict:
 
 
 def _probe_engine(ck: Checkpoint, threads: int, max_context: int):
-    """The runtime as a cpu plan serves, its experts in RAM up to half the probe memory budget (the rest
-    read from the NVMe tier): the phases are timed beside the MoE kernel's threads, as they run."""
+    """The runtime as a cpu plan serves here (Engram rows through the page cache), its routed experts
+    all in RAM where half the available RAM holds them (the search's plans there keep them in RAM, and
+    an NVMe tier's reads slow every other phase: on mini they made `dense` 1.4x and `attention` 1.8x
+    slower on a 480 MiB-L3 Xeon); else half the probe memory budget's worth in RAM and the rest read
+    from the NVMe tier, as the plans that fit such a host run. -> (engine, "ram" | "nvme tier")."""
     from runtime.engine import Engine
     fp = ck.footprint()
+    in_ram = fp.routed_expert_bytes_total <= ram_available_bytes() // 2
     budget = probe_budget_bytes() // 2
     plan = Plan(cpu_threads=threads, max_context=max_context, prefill_chunk=64,
-                host_expert_budget_gib=None if fp.routed_expert_bytes_total <= budget else budget / 2**30,
+                host_expert_budget_gib=None if in_ram or fp.routed_expert_bytes_total <= budget else budget / 2**30,
                 engram_placement="nvme_mmap" if ck.config.engram_layer_ids else "host")
-    return Engine(ck, plan, device="cpu")
+    return Engine(ck, plan, device="cpu"), "ram" if plan.host_expert_budget_gib is None else "nvme tier"
 
 
 def forward_terms(ck: Checkpoint, quick: bool, threads: int, contexts=None, chunk: int = 64) -> dict:
@@ -50,7 +54,7 @@ def forward_terms(ck: Checkpoint, quick: bool, threads: int, contexts=None, chun
     cfg, fp = ck.config, ck.footprint()
     contexts = contexts or ((32, 256) if quick else (64, 256, 1024))
     repeats = 5 if quick else 12
-    e = _probe_engine(ck, threads, max(contexts) + (repeats + 3) * len(contexts) + 4 * chunk + 8)
+    e, placement = _probe_engine(ck, threads, max(contexts) + (repeats + 3) * len(contexts) + 4 * chunk + 8)
     model, experts = e.model, e.experts
     st = model.new_state(e.plan.max_context)
     dense, other, rows, shared, points = [], [], [], [], []
@@ -89,11 +93,11 @@ def forward_terms(ck: Checkpoint, quick: bool, threads: int, contexts=None, chun
     path_bytes = dense_path_bytes(fp)
     flop = 2 * dense_params(fp) * chunk
     out = {"dense_path_gbs": _fig(Measurement(tuple(path_bytes / s / 1e9 for s in dense), "GB/s",
-                                              note="the runtime's `dense` phase per decode token"), geometry=geo),
+                                              note="the runtime's `dense` phase per decode token"), geometry=geo, placement=placement),
            "dense_path_tflops": _fig(Measurement(tuple(flop / p["dense"] / 1e12 for p in pre), "TFLOP/s",
                                                  note=f"the runtime's `dense` phase over a {chunk}-token prefill chunk"),
                                      geometry=geo, tokens=chunk),
-           "attention_s_per_token": {"geometry": geo, "points": points, "unit": "s", "source": "measured",
+           "attention_s_per_token": {"geometry": geo, "placement": placement, "points": points, "unit": "s", "source": "measured",
                                      "prefill": {"tokens": chunk, "context": st.pos - chunk // 2,
                                                  **_fig(Measurement(tuple(p["attention"] for p in pre), "s"))},
                                      "note": "the runtime's `attention` phase (attention + indexer): per decode token at "
