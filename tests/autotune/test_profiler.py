@@ -117,3 +117,22 @@ def test_the_expert_tier_is_read_through_the_runtime(tiny_dir):
     m = expert_tier_read(ck, 1, calls=3)
     assert len(m.samples) == 3 and min(m.samples) > 0 and m.unit == "GB/s"
     assert f"{ck.config.num_experts_per_tok} experts" in m.note
+
+
+def test_the_phase_probe_keeps_experts_where_the_plans_keep_them(tiny_dir, monkeypatch):
+    """Experts all in RAM where half the available RAM holds them (the plans the search picks there);
+    an NVMe tier, the first half of the probe budget's worth in RAM, where it does not."""
+    from autotune.probes import runtime_paths
+    ck = Checkpoint(tiny_dir)
+    total = ck.footprint().routed_expert_bytes_total
+    for avail, want in ((2 * total, "ram"), (2 * total - 4096, "nvme tier")):
+        monkeypatch.setattr(runtime_paths, "ram_available_bytes", lambda a=avail: a)
+        monkeypatch.setattr(runtime_paths, "probe_budget_bytes", lambda a=avail: a // 4)
+        e, placement = runtime_paths._probe_engine(ck, 1, 64)
+        try:
+            assert placement == want
+            held = sum(e.experts.resident)
+            L, E = ck.config.num_hidden_layers, ck.config.n_routed_experts
+            assert (held == L * E) if want == "ram" else (held == int(avail // 8 // ck.config.expert_bytes) < L * E)
+        finally:
+            e.close()
