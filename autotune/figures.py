@@ -51,9 +51,20 @@ def fixed_us(profile: dict, strategy: str) -> float | None:
     return figure(profile, "moe_dispatch_fixed_us") if strategy == "cpu" else None
 
 
-def _at_geometry(profile: dict, key: str, fp: Footprint) -> dict | None:
-    v = profile["measurements"].get(key)
+def _at_geometry(profile: dict, key: str, fp: Footprint, m: dict | None = None) -> dict | None:
+    v = (profile["measurements"] if m is None else m).get(key)
     return v if isinstance(v, dict) and "skipped" not in v and v.get("geometry") == fp.geometry_hash else None
+
+
+def phase_figures(plan: Plan, profile: dict, fp: Footprint) -> tuple[dict, str]:
+    """The runtime's phase figures that match the plan's expert placement: `phases_nvme_tier` for a plan
+    with an NVMe expert tier where the profile timed the phases both ways. -> (measurements, which)."""
+    m = profile["measurements"]
+    tier = plan.host_expert_budget_gib is not None and plan.host_expert_budget_gib * 2**30 < fp.routed_expert_bytes_total
+    alt = m.get("phases_nvme_tier")
+    if tier and isinstance(alt, dict) and _at_geometry(profile, "dense_path_gbs", fp, alt):
+        return alt, "timed beside an NVMe expert tier"
+    return m, ""
 
 
 @dataclass
@@ -146,18 +157,19 @@ def gather_figures(plan: Plan, profile: dict, fp: Footprint) -> HostFigures:
         f.gather, f.dev_mem = figure(profile, "pcie_gather_gbs"), figure(profile, "gpu_mem_gbs")
         f.dev_flops, f.h2d = figure(profile, "gpu_tflops") * 1e12, figure(profile, "pcie_h2d_gbs")
         f.contended = contended(profile, f.dram)
-    dp = _at_geometry(profile, "dense_path_gbs", fp)
+    ph, which = phase_figures(plan, profile, fp)
+    dp = _at_geometry(profile, "dense_path_gbs", fp, ph)
     f.dense_path = float(dp["median"]) if dp else None
-    att = _at_geometry(profile, "attention_s_per_token", fp)
+    att = _at_geometry(profile, "attention_s_per_token", fp, ph)
     f.attention = attention_fit(att) if att else None
-    dfl = _at_geometry(profile, "dense_path_tflops", fp)
+    dfl = _at_geometry(profile, "dense_path_tflops", fp, ph)
     f.dense_flops = float(dfl["median"]) * 1e12 if dfl else None
     f.dense_chunk = int(dfl.get("tokens", 0)) if dfl else 0
-    sh = _at_geometry(profile, "shared_call_us", fp)
+    sh = _at_geometry(profile, "shared_call_us", fp, ph)
     f.shared_call = float(sh["median"]) * 1e-6 if sh else None
-    er = _at_geometry(profile, "engram_rows_s", fp)
+    er = _at_geometry(profile, "engram_rows_s", fp, ph)
     f.engram_rows = float(er["median"]) if er else 0.0
-    oth = _at_geometry(profile, "step_other_s_per_layer", fp)
+    oth = _at_geometry(profile, "step_other_s_per_layer", fp, ph)
     if oth is None and isinstance(m.get("step_other_s_per_layer"), dict) and "median" in m["step_other_s_per_layer"]:
         oth = m["step_other_s_per_layer"]       # Python overhead per layer: carried to other geometries
     f.other_per_layer = float(oth["median"]) if oth else None
@@ -173,6 +185,9 @@ def gather_figures(plan: Plan, profile: dict, fp: Footprint) -> HostFigures:
                        ("; reads over nvme_randread_4k [" + source_of(profile, "nvme_randread_4k") + "]"),
         "draft": f"formula: drafter experts over cpu_moe_gbs, its dense part and the head over {'gpu_mem_gbs' if gpu else 'the dense path'}",
         "other": "step_other_s_per_layer [measured] x layers" if f.other_per_layer is not None else "assumed: 0 s (not measured)",
+        "phases": ("measured: the runtime's dense, attention, shared, Engram and other phases " +
+                   (f"{which} (phases_nvme_tier)" if which else f"with the experts in {dp.get('placement', 'ram')} (dense_path_gbs)"))
+                  if dp else "formula: the profile has no runtime phase figures (each term names its own source)",
         "routing": "measured: a routing trace of this checkpoint" if f.routing.source == "measured" else
                    "assumed: uniform, independent routing (no trace at this geometry; none published for V4.1)",
     }

@@ -195,14 +195,19 @@ def _cpu_moe_sweep(cfg, cores: int, quick: bool, step) -> tuple[list, tuple | No
 
 
 def _forward_terms(ck: Checkpoint, quick: bool) -> dict:
-    """The dense path, attention vs context and the per-layer overhead (autotune/probes/runtime_paths.py)."""
+    """The dense path, attention vs context and the per-layer overhead (autotune/probes/runtime_paths.py).
+    Timed with the experts in RAM where the host holds them, then again beside an NVMe expert tier
+    (`phases_nvme_tier`: the same keys, for plans with one: its reads slow every other phase)."""
     held = dense_host_bytes(ck.footprint())
     why = ("the dense path runs on the GPU on this host (not probed on the CPU)" if cuda_available() else
            f"the dense weights as held ({held / 2**30:.1f} GiB) exceed the probe memory budget "
            f"({probe_budget_bytes() / 2**30:.1f} GiB)" if held > probe_budget_bytes() else None)
     if why is None:
         try:                      # a probe engine the host cannot hold (DoesNotFit) or a skeleton: skipped, named
-            return runtime_paths.forward_terms(ck, quick, usable_cores())
+            out = runtime_paths.forward_terms(ck, quick, usable_cores())
+            if out["dense_path_gbs"].get("placement") == "ram" and ck.config.n_routed_experts > 1:
+                out["phases_nvme_tier"] = runtime_paths.forward_terms(ck, quick, usable_cores(), tier=True)
+            return out
         except (OSError, ValueError, RuntimeError) as e:
             why = f"not measured: {e}"
     return {k: _skipped(why) for k in ("dense_path_gbs", "dense_path_tflops", "attention_s_per_token", "engram_rows_s",

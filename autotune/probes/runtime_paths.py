@@ -30,31 +30,35 @@ def _fig(m: Measurement, **kw) -> dict:
     return d
 
 
-def _probe_engine(ck: Checkpoint, threads: int, max_context: int):
+def _probe_engine(ck: Checkpoint, threads: int, max_context: int, tier: bool = False):
     """The runtime as a cpu plan serves here (Engram rows through the page cache), its routed experts
     all in RAM where half the available RAM holds them (the search's plans there keep them in RAM, and
     an NVMe tier's reads slow every other phase: on mini they made `dense` 1.4x and `attention` 1.8x
     slower on a 480 MiB-L3 Xeon); else half the probe memory budget's worth in RAM and the rest read
-    from the NVMe tier, as the plans that fit such a host run. -> (engine, "ram" | "nvme tier")."""
+    from the NVMe tier, as the plans that fit such a host run (`tier`: an NVMe tier whatever the RAM,
+    at most half the experts in RAM, for the NVMe-tier plans' own figures). -> (engine, "ram" | "nvme tier")."""
     from runtime.engine import Engine
     fp = ck.footprint()
     in_ram = fp.routed_expert_bytes_total <= ram_available_bytes() // 2
     budget = probe_budget_bytes() // 2
+    total = fp.routed_expert_bytes_total
+    held = min(budget, total // 2) if tier else None if in_ram or total <= budget else budget
     plan = Plan(cpu_threads=threads, max_context=max_context, prefill_chunk=64,
-                host_expert_budget_gib=None if in_ram or fp.routed_expert_bytes_total <= budget else budget / 2**30,
+                host_expert_budget_gib=None if held is None else held / 2**30,
                 engram_placement="nvme_mmap" if ck.config.engram_layer_ids else "host")
     return Engine(ck, plan, device="cpu"), "ram" if plan.host_expert_budget_gib is None else "nvme tier"
 
 
-def forward_terms(ck: Checkpoint, quick: bool, threads: int, contexts=None, chunk: int = 64) -> dict:
+def forward_terms(ck: Checkpoint, quick: bool, threads: int, contexts=None, chunk: int = 64, tier: bool = False) -> dict:
     """-> {dense_path_gbs, dense_path_tflops, attention_s_per_token, shared_call_us, engram_rows_s,
     step_other_s_per_layer}, each keyed to the geometry: decode forwards of the runtime at several
-    contexts, then prefill chunks; each phase timed where it runs (beside the MoE kernel's threads)."""
+    contexts, then prefill chunks; each phase timed where it runs (beside the MoE kernel's threads).
+    tier: with an NVMe expert tier (`_probe_engine`)."""
     from autotune.terms import dense_params
     cfg, fp = ck.config, ck.footprint()
     contexts = contexts or ((32, 256) if quick else (64, 256, 1024))
     repeats = 5 if quick else 12
-    e, placement = _probe_engine(ck, threads, max(contexts) + (repeats + 3) * len(contexts) + 4 * chunk + 8)
+    e, placement = _probe_engine(ck, threads, max(contexts) + (repeats + 3) * len(contexts) + 4 * chunk + 8, tier)
     model, experts = e.model, e.experts
     st = model.new_state(e.plan.max_context)
     dense, other, rows, shared, points = [], [], [], [], []

@@ -155,6 +155,25 @@ def test_cpu_host_dense_term_is_the_runtime_path(epyc, v41):
     assert r.decode_tok_s < fallback.decode_tok_s
 
 
+def test_plans_with_an_nvme_tier_take_the_phases_timed_beside_one(epyc, v41):
+    """Where the profile timed the runtime's phases both ways, a plan with an NVMe expert tier is
+    predicted from `phases_nvme_tier` (its reads slow every other phase), one with every expert in RAM
+    from the main figures; a profile without them uses the main figures for both."""
+    cpu = copy.deepcopy(epyc)
+    cpu["host"]["hard"].update(gpu_name="", gpu_vram_gib=0)
+    fig = lambda gbs: {"median": gbs, "min": gbs, "max": gbs, "unit": "GB/s", "source": "measured",  # noqa: E731
+                       "samples": [gbs], "geometry": v41.geometry_hash}
+    cpu["measurements"]["dense_path_gbs"] = {**fig(10.0), "placement": "ram"}
+    wl, all_ram = Workload(1024, 64), Plan(host_expert_budget_gib=None)
+    tier = Plan(host_expert_budget_gib=0.5 * v41.routed_expert_bytes_total / 2**30)
+    before = {p: predict(p, cpu, v41, wl) for p in (all_ram, tier)}
+    cpu["measurements"]["phases_nvme_tier"] = {"dense_path_gbs": {**fig(2.5), "placement": "nvme tier"}}
+    after = {p: predict(p, cpu, v41, wl) for p in (all_ram, tier)}
+    assert after[all_ram].terms["decode_dense_s"] == before[all_ram].terms["decode_dense_s"]
+    assert after[tier].terms["decode_dense_s"] == pytest.approx(4 * before[tier].terms["decode_dense_s"])
+    assert "phases_nvme_tier" in after[tier].sources["phases"] and "ram" in after[all_ram].sources["phases"]
+
+
 def test_a_small_host_finds_the_nvme_plans_that_fit(epyc, v41):
     """24 GiB of RAM, no GPU, V4.1's 246 GiB of experts and 203 GB of Engram: only plans with nearly
     every expert on NVMe and the Engram scales off RAM fit; the search must reach them."""
