@@ -124,14 +124,16 @@ class BatchedReader:
         big, view_at, length = self._read(requests, latencies, reuse)
         return [np.frombuffer(big, np.uint8, int(n_), int(v)) for v, n_ in zip(view_at.tolist(), length.tolist())]
 
-    def read_blocks(self, path: str, blocks: np.ndarray, reuse: bool = False) -> np.ndarray:
-        """The BLOCK-sized blocks `blocks` (sorted block numbers) of one file -> uint8 [len(blocks) * BLOCK],
-        block k of the list at k * BLOCK (two consecutive block numbers are adjacent in the result).
-        reuse: as in `read`."""
+    def read_blocks(self, path: str, blocks: np.ndarray, reuse: bool = False, latencies: list | None = None) -> np.ndarray:
+        """The BLOCK-sized blocks `blocks` (block numbers) of one file -> uint8 [len(blocks) * BLOCK], block
+        k of the list at k * BLOCK (two consecutive block numbers are adjacent in the result). No Python
+        per block (the probes' random 4 KiB reads, Engram prefill rows). reuse, latencies: as in `read`."""
         if not len(blocks):
             return np.empty(0, np.uint8)
-        big, _, _ = self._read([(path, int(b) * BLOCK, BLOCK) for b in blocks.tolist()], None, reuse)
-        return np.frombuffer(big, np.uint8, len(blocks) * BLOCK)
+        n, fd = len(blocks), self._fd(path)
+        big, _, _ = self._read_arrays({path: fd}, np.full(n, fd, np.int64), np.asarray(blocks, np.int64) * BLOCK,
+                                      np.full(n, BLOCK, np.int64), latencies, reuse)
+        return np.frombuffer(big, np.uint8, n * BLOCK)
 
     def _arena(self, n: int):
         """This thread's reusable read buffer of at least n bytes: grown to exactly what a read needs
@@ -147,16 +149,20 @@ class BatchedReader:
 
     def _read(self, requests, latencies, reuse=False):
         fds = {p: self._fd(p) for p in {p for p, _, _ in requests}}
-        # vectorized plan: piece = (fd, aligned file offset, bytes, offset in the buffer); requests
-        # longer than PIECE are split so that `depth` applies to them too
         fd_of = np.array([fds[p] for p, _, _ in requests], np.int64)
         off = np.array([o for _, o, _ in requests], np.int64)
         length = np.array([n for _, _, n in requests], np.int64)
+        return self._read_arrays(fds, fd_of, off, length, latencies, reuse)
+
+    def _read_arrays(self, fds, fd_of, off, length, latencies, reuse):
+        """Requests as arrays (fd, file offset, bytes) -> (buffer, each request's place in it, length).
+        Vectorized plan: piece = (fd, aligned file offset, bytes, offset in the buffer); requests longer
+        than PIECE are split so that `depth` applies to them too."""
         a0 = off - off % BLOCK
         span = -(-(off + length) // BLOCK) * BLOCK - a0                    # aligned bytes per request
         start = np.concatenate([[0], np.cumsum(span)[:-1]])                # request's place in the buffer
         npieces = np.maximum(1, -(-length // PIECE))
-        r = np.repeat(np.arange(len(requests)), npieces)                   # piece -> request
+        r = np.repeat(np.arange(len(off)), npieces)                        # piece -> request
         k = np.arange(len(r)) - np.repeat(np.cumsum(npieces) - npieces, npieces)
         o = off[r] + k * PIECE
         n = np.minimum(PIECE, length[r] - k * PIECE)
@@ -218,7 +224,7 @@ class BatchedReader:
             else:
                 list(self.pool.map(work, pieces))
         mv.release()
-        self.requests += len(requests)
+        self.requests += len(off)
         self.bytes_read += int(length.sum())
         return big, start + off - a0, length
 

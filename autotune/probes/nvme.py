@@ -59,20 +59,20 @@ def remove_scratch(path: Path) -> None:
 
 
 def randread_4k(path: Path, depth: int, n_reads: int, seed: int = 0, direct: bool = True, repeats: int = 3) -> dict:
-    """`repeats` timed batches of n_reads / repeats random 4 KiB reads at `depth` after a warm-up batch:
-    IOPS per batch (raw samples, median, min, max), p50/p95 per-read latency over all of them."""
+    """`repeats` timed batches of n_reads / repeats random 4 KiB reads at `depth` after a warm-up batch
+    of the same size (it sizes the reader's arena, so no timed batch pays its page faults): IOPS per
+    batch (raw samples, median, min, max), p50/p95 per-read latency over all of them."""
     size = path.stat().st_size
     per = max(1, n_reads // repeats)
-    offs = np.random.default_rng(seed + depth).integers(0, size // BLOCK, per * repeats + min(64, per)) * BLOCK
+    blocks = np.random.default_rng(seed + depth).integers(0, size // BLOCK, per * repeats + per)
     r = BatchedReader(depth=depth, direct=direct, arena_bytes=None)   # the device's IOPS: no arena cap
     lat: list = []
     iops = []
     try:
-        r.read([(str(path), int(o), BLOCK) for o in offs[per * repeats:]], reuse=True)   # warm-up (opens, threads)
+        r.read_blocks(str(path), blocks[per * repeats:], reuse=True)    # warm-up: opens, the engine, the arena
         for k in range(repeats):
-            batch = [(str(path), int(o), BLOCK) for o in offs[k * per:(k + 1) * per]]
             t0 = time.perf_counter()
-            r.read(batch, latencies=lat, reuse=True)
+            r.read_blocks(str(path), blocks[k * per:(k + 1) * per], reuse=True, latencies=lat)
             iops.append(per / (time.perf_counter() - t0))
     finally:
         r.close()
