@@ -1,7 +1,10 @@
 """The CPU and GPU kernels. Their compiled code is cached on disk (numba, cache=True) under a directory
 named by a hash of every kernel source here: numba keys a cached function only by its own file, so a
 change to an intrinsic in another file (kernels/fp4_simd.py, fp8_simd.py, fp4_i8.py) would otherwise
-leave callers running the old machine code. $NUMBA_CACHE_DIR (the user's) wins; $DSV41_KERNEL_CACHE
+leave callers running the old machine code. A forced SIMD path ($DSV41_CPU_ISA, hostinfo) gets a
+directory of its own: numba's key names the CPU, not the path the kernels were compiled for, so one
+directory must never hold two paths' code for one CPU (`ISA_CACHE`: True when a forced path has its
+own directory, so its code may be cached). $NUMBA_CACHE_DIR (the user's) wins; $DSV41_KERNEL_CACHE
 moves the root (default ~/.cache/dsv41/numba); an unwritable root keeps numba's default (__pycache__)."""
 from __future__ import annotations
 
@@ -10,21 +13,24 @@ import os
 from pathlib import Path
 
 
-def _salted_cache_dir() -> Path:
+def _salted_cache_dir(forced_isa: str | None) -> Path:
     h = hashlib.sha256()
     for p in sorted(Path(__file__).parent.rglob("*.py")):
         h.update(p.relative_to(Path(__file__).parent).as_posix().encode())
         h.update(p.read_bytes())
     root = Path(os.environ.get("DSV41_KERNEL_CACHE") or Path.home() / ".cache" / "dsv41" / "numba")
-    return root / h.hexdigest()[:16]
+    return root / (h.hexdigest()[:16] + (f"-{forced_isa}" if forced_isa else ""))
 
 
+ISA_CACHE = False
 if not os.environ.get("NUMBA_CACHE_DIR"):
     try:
-        _dir = _salted_cache_dir()
+        _forced = os.environ.get("DSV41_CPU_ISA") or None
+        _dir = _salted_cache_dir(_forced)
         _dir.mkdir(parents=True, exist_ok=True)
         if os.access(_dir, os.W_OK):
             from numba.core import config as _numba_config
             _numba_config.CACHE_DIR = str(_dir)
+            ISA_CACHE = _forced is not None
     except OSError:
         pass

@@ -27,6 +27,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from hostinfo import isa
+from kernels import ISA_CACHE
 from kernels.formats import dequantize_mxfp4, quantize_act
 from kernels.fp4_i8 import LUT16, OFFSET, fp4_i8_dot
 from kernels.fp4_simd import E2M1, fp4_dequant
@@ -35,9 +36,10 @@ from kernels.threads import set_threads
 ISA = isa()                  # the host's widest path, or $DSV41_CPU_ISA (hostinfo)
 LANES = {"avx512vnni": 16, "avx512": 16, "avx2": 8, "scalar": 0}[ISA]   # compile-time constants in the kernels below
 MODE = {"avx512vnni": 3, "avx512": 2, "avx2": 1, "scalar": 0}[ISA]         # fp4_i8_dot's instruction path
-# Compiled code is cached on disk for the host ISA only; a forced ISA (tests) compiles in memory, so the
-# cache never holds code for an ISA other than the one numba's cache key (CPU name + features) names.
-CACHE = "DSV41_CPU_ISA" not in os.environ
+# Compiled code is cached on disk for the host's path, and for a forced path where it has a cache
+# directory of its own (kernels/__init__.py); else a forced path (tests) compiles in memory, so no
+# directory ever holds two paths' code under the one key numba gives them (CPU name + features).
+CACHE = "DSV41_CPU_ISA" not in os.environ or ISA_CACHE
 ROWS_PER_CHUNK = 64          # rows per parallel work item (multiple of 4)
 ROW_STREAMS = (1, 4)         # DRAM streams a thread reads at once: rows in order, or 4 rows a quarter-chunk apart
 DENSE_MIN_TOKENS = 256       # tokens per expert from which dequantize + torch matmul may win (measured here: the

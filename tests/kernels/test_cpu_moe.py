@@ -186,3 +186,12 @@ def test_unassigned_entries_are_skipped_not_computed():
     assert np.isfinite(y).all()
     keep = ids >= 0
     _check(y, expert_ffn_reference(x, np.where(keep, ids, 1), np.where(keep, w, 0).astype(np.float32), bank))
+
+
+def test_a_forced_simd_path_caches_its_code_in_a_directory_of_its_own(tmp_path, monkeypatch):
+    """numba keys cached code by CPU, not by the SIMD path it was compiled for: each forced path
+    ($DSV41_CPU_ISA) gets its own directory, named by the kernels' sources as the host's is."""
+    import kernels
+    monkeypatch.setenv("DSV41_KERNEL_CACHE", str(tmp_path))
+    host, avx2, scalar = (kernels._salted_cache_dir(i) for i in (None, "avx2", "scalar"))
+    assert len({host, avx2, scalar}) == 3 and avx2.name == host.name + "-avx2" and host.parent == tmp_path
