@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autotune.routing import Routing
+from runtime.budget import resident_routed_bytes
 from runtime.checkpoint.footprint import Footprint
 from runtime.plan import Plan
 from runtime.profile import cpu_moe_figure, cpu_moe_flops, figure
@@ -60,7 +61,7 @@ def phase_figures(plan: Plan, profile: dict, fp: Footprint) -> tuple[dict, str]:
     """The runtime's phase figures that match the plan's expert placement: `phases_nvme_tier` for a plan
     with an NVMe expert tier where the profile timed the phases both ways. -> (measurements, which)."""
     m = profile["measurements"]
-    tier = plan.host_expert_budget_gib is not None and plan.host_expert_budget_gib * 2**30 < fp.routed_expert_bytes_total
+    tier = resident_routed_bytes(plan, fp) < fp.routed_expert_bytes_total
     alt = m.get("phases_nvme_tier")
     if tier and isinstance(alt, dict) and _at_geometry(profile, "dense_path_gbs", fp, alt):
         return alt, "timed beside an NVMe expert tier"

@@ -205,11 +205,15 @@ def _forward_terms(ck: Checkpoint, quick: bool) -> dict:
     if why is None:
         try:                      # a probe engine the host cannot hold (DoesNotFit) or a skeleton: skipped, named
             out = runtime_paths.forward_terms(ck, quick, usable_cores())
-            if out["dense_path_gbs"].get("placement") == "ram" and ck.config.n_routed_experts > 1:
-                out["phases_nvme_tier"] = runtime_paths.forward_terms(ck, quick, usable_cores(), tier=True)
-            return out
         except (OSError, ValueError, RuntimeError) as e:
             why = f"not measured: {e}"
+        else:
+            if out["dense_path_gbs"].get("placement") == "ram":
+                try:              # a failure here keeps the figures above; tier plans then use them
+                    out["phases_nvme_tier"] = runtime_paths.forward_terms(ck, quick, usable_cores(), tier=True)
+                except (OSError, ValueError, RuntimeError) as e:
+                    out["phases_nvme_tier"] = _skipped(f"not measured: {e}")
+            return out
     return {k: _skipped(why) for k in ("dense_path_gbs", "dense_path_tflops", "attention_s_per_token", "engram_rows_s",
                                        "shared_call_us", "step_other_s_per_layer")}
 

@@ -38,10 +38,8 @@ def _probe_engine(ck: Checkpoint, threads: int, max_context: int, tier: bool = F
     from the NVMe tier, as the plans that fit such a host run (`tier`: an NVMe tier whatever the RAM,
     at most half the experts in RAM, for the NVMe-tier plans' own figures). -> (engine, "ram" | "nvme tier")."""
     from runtime.engine import Engine
-    fp = ck.footprint()
-    in_ram = fp.routed_expert_bytes_total <= ram_available_bytes() // 2
-    budget = probe_budget_bytes() // 2
-    total = fp.routed_expert_bytes_total
+    total, budget = ck.footprint().routed_expert_bytes_total, probe_budget_bytes() // 2
+    in_ram = total <= ram_available_bytes() // 2
     held = min(budget, total // 2) if tier else None if in_ram or total <= budget else budget
     plan = Plan(cpu_threads=threads, max_context=max_context, prefill_chunk=64,
                 host_expert_budget_gib=None if held is None else held / 2**30,

@@ -136,3 +136,18 @@ def test_the_phase_probe_keeps_experts_where_the_plans_keep_them(tiny_dir, monke
             assert (held == L * E) if want == "ram" else (held == int(avail // 8 // ck.config.expert_bytes) < L * E)
         finally:
             e.close()
+
+
+def test_a_failed_nvme_tier_timing_keeps_the_in_ram_figures(tiny_dir, monkeypatch):
+    from autotune import profiler
+    main = {"dense_path_gbs": {"median": 5.0, "placement": "ram"}}
+
+    def terms(ck, quick, threads, tier=False):
+        if tier:
+            raise OSError("no room for the tier's reads")
+        return dict(main)
+    monkeypatch.setattr(profiler.runtime_paths, "forward_terms", terms)
+    monkeypatch.setattr(profiler, "cuda_available", lambda: False)
+    out = profiler._forward_terms(Checkpoint(tiny_dir), quick=True)
+    assert out["dense_path_gbs"] == main["dense_path_gbs"]
+    assert "no room for the tier's reads" in out["phases_nvme_tier"]["skipped"]
