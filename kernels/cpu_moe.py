@@ -29,13 +29,14 @@ from numba.extending import overload
 from hostinfo import isa
 from kernels import ISA_CACHE
 from kernels.formats import dequantize_mxfp4, quantize_act
-from kernels.fp4_i8 import LUT16, OFFSET, fp4_i8_dot
+from kernels.fp4_i8 import LUT16, OFFSET, act_slot, fp4_i8_dot, superblock_bytes
 from kernels.fp4_simd import E2M1, fp4_dequant
 from kernels.threads import set_threads
 
 ISA = isa()                  # the host's widest path, or $DSV41_CPU_ISA (hostinfo)
 LANES = {"avx512vnni": 16, "avx512": 16, "avx2": 8, "scalar": 0}[ISA]   # compile-time constants in the kernels below
 MODE = {"avx512vnni": 3, "avx512": 2, "avx2": 1, "scalar": 0}[ISA]         # fp4_i8_dot's instruction path
+SUPERBLOCK = superblock_bytes(MODE)                                      # the inputs' layout (kernels/fp4_i8.py)
 # Compiled code is cached on disk for the host's path, and for a forced path where it has a cache
 # directory of its own (kernels/__init__.py); else a forced path (tests) compiles in memory, so no
 # directory ever holds two paths' code under the one key numba gives them (CPU name + features).
@@ -109,7 +110,7 @@ class Fp4Bank:
         """Random codes with scales giving weight RMS ~1/sqrt(fan_in) (tests and benchmarks)."""
         rng = np.random.default_rng(seed)
         def codes(*shape):
-            return np.frombuffer(bytearray(rng.bytes(int(np.prod(shape)))), dtype=np.uint8).reshape(shape)
+            return random_bytes(rng, shape)
         def scales(fan_in, *shape):
             e = 127 + int(round(np.log2(1 / (np.sqrt(fan_in) * 2.93))))
             return (e + rng.integers(-1, 2, size=shape)).astype(np.uint8)
@@ -124,10 +125,22 @@ class Fp4Bank:
         return w13[:I], w13[I:], w2
 
 
+def random_bytes(rng, shape, chunk=1 << 26) -> np.ndarray:
+    """Random uint8 [shape] in an array numpy allocates (it asks for transparent huge pages on large
+    ones, as for the runtime's banks; a buffer from Python bytes gets 4 KiB pages and reads slower)."""
+    a = np.empty(shape, np.uint8)
+    flat = a.reshape(-1)
+    for i in range(0, flat.size, chunk):
+        n = min(chunk, flat.size - i)
+        flat[i:i + n] = np.frombuffer(rng.bytes(n), np.uint8)
+    return a
+
+
 # ----------------------------------------------------------------------------------------- kernels
 @njit(nogil=True, cache=CACHE)
 def _dot_scalar(R, codes, c_off, c_stride, scales, s_off, s_stride, xq, xc, xr, a, K, out, o_off, or_stride):
-    """fp4_i8_dot's arithmetic in plain loops (one input): per 4 code bytes an exact integer sum."""
+    """fp4_i8_dot's arithmetic in plain loops (one input; the scalar path has no superblocks, so every
+    entry is 4 code bytes): per 4 code bytes an exact integer sum."""
     half = K // 2
     for r in range(R):
         acc = np.float32(0.0)
@@ -137,7 +150,7 @@ def _dot_scalar(R, codes, c_off, c_stride, scales, s_off, s_stride, xq, xc, xr, 
             for b in range(4 * L, 4 * L + 4):
                 c = codes[c_off + r * c_stride + b]
                 p += LUT_I32[c & 15] * np.int32(xq[a * K + b]) + LUT_I32[c >> 4] * np.int32(xq[a * K + half + b])
-            acc += np.float32(p - xc[a * (K // 8) + L]) * (s * xr[a * (K // 8) + L])
+            acc += np.float32(p + xc[a * (K // 8) + L]) * (s * xr[a * (K // 8) + L])
         out[o_off + r * or_stride] = acc
 
 
@@ -291,48 +304,75 @@ def _ov_rows(R, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j0, j1, K
     return rows
 
 
+@njit(nogil=True, cache=CACHE, inline="always")
+def _q(v, inv):
+    return np.int8(min(max(np.rint(v * inv), np.float32(-127.0)), np.float32(127.0)))
+
+
 @njit(nogil=True, cache=CACHE)
-def _prepare_row(x, xq, xc, xr):
+def _prepare_row(x, xq, xc, xr, sbb):
     """One input x [K] f32 -> int8 q per 32-block (kernels/formats.py quantize_act), laid out for
-    fp4_i8_dot: xq = even inputs then odd ones; xc [K/8] = OFFSET x the q sum of each 4 code bytes;
-    xr [K/8] = block scale / 2 (a non-finite block: q = 0, scale NaN, so NaN reaches the output)."""
+    fp4_i8_dot with superblocks of `sbb` code bytes (the places kernels/fp4_i8.py `act_slot` gives,
+    walked block by block here): xq = even inputs then odd ones, each half in the order the kernel reads
+    code bytes; xc = -OFFSET x the q sum of each entry (a block in superblocks, else 4 code bytes); xr =
+    its block scale / 2 (a non-finite block: q = 0, scale NaN, so NaN reaches the output). Entries
+    past the last one used stay unwritten."""
     K = x.shape[0]
     h = K // 2
+    nbs = sbb // 16                                          # blocks per superblock
+    g_sb = (h // sbb) * nbs if sbb else 0                    # blocks in superblocks
+    v = sbb // 4                                             # bytes per vector
+    nl = max(v // 16, 1)                                     # 128-bit lanes per vector
     for g in range(K // 32):
         a = np.float32(0.0)
         for i in range(32):
-            v = abs(x[32 * g + i])
-            if not v <= a:                                   # NaN sticks
-                a = v
+            u = abs(x[32 * g + i])
+            if not u <= a:                                   # NaN sticks
+                a = u
         ok = a > 0 and np.isfinite(a)
         inv = np.float32(127.0) / a if ok else np.float32(0.0)
-        sc = a / np.float32(127.0) if ok or a == 0 else np.float32(np.nan)
-        for L in range(4 * g, 4 * g + 4):
-            xc[L] = 0
-            xr[L] = sc * np.float32(0.5)
-        for i in range(32):
-            e = 32 * g + i
-            q = min(max(np.rint(x[e] * inv), np.float32(-127.0)), np.float32(127.0))
-            p = e // 2
-            xq[p + h * (e % 2)] = np.int8(q)
-            xc[p // 4] += OFFSET * np.int32(q)
+        half_sc = (a / np.float32(127.0) if ok or a == 0 else np.float32(np.nan)) * np.float32(0.5)
+        e = 32 * g
+        if g < g_sb:                                         # one entry; byte o at base + (o // 4) v + o % 4
+            sb, gl = g // nbs, g % nbs
+            m, b = gl // nl, gl % nl
+            base = sb * sbb + 16 * b + 4 * m
+            L = sb * nbs + 4 * b + m
+            tot = np.int32(0)
+            for o in range(16):
+                q0, q1 = _q(x[e + 2 * o], inv), _q(x[e + 2 * o + 1], inv)
+                at = base + (o // 4) * v + o % 4
+                xq[at], xq[h + at] = q0, q1
+                tot += np.int32(q0) + np.int32(q1)
+            xc[L], xr[L] = -OFFSET * tot, half_sc
+        else:                                                # in order; an entry per 4 code bytes
+            for L4 in range(4):
+                L = g_sb + 4 * (g - g_sb) + L4
+                tot = np.int32(0)
+                for t in range(4):
+                    o = 4 * L4 + t
+                    q0, q1 = _q(x[e + 2 * o], inv), _q(x[e + 2 * o + 1], inv)
+                    xq[16 * g + o], xq[h + 16 * g + o] = q0, q1
+                    tot += np.int32(q0) + np.int32(q1)
+                xc[L], xr[L] = -OFFSET * tot, half_sc
 
 
-@njit(nogil=True, cache=CACHE)
-def _prepare(x, rows):
-    """Inputs x[rows[a]] -> (xq int8 [A, K], xc int32 [A, K/8], xr f32 [A, K/8])."""
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _prepare(x, rows, sbb=SUPERBLOCK):
+    """Inputs x[rows[a]] -> (xq int8 [A, K], xc int32 [A, K/8], xr f32 [A, K/8]) for this host's kernel
+    (sbb: its superblock bytes; 0 gives the layout without superblocks, the scalar path's)."""
     A, K = len(rows), x.shape[1]
     xq, xc, xr = np.empty((A, K), np.int8), np.empty((A, K // 8), np.int32), np.empty((A, K // 8), np.float32)
-    for a in range(A):
-        _prepare_row(x[rows[a]], xq[a], xc[a], xr[a])
+    for a in prange(A):
+        _prepare_row(x[rows[a]], xq[a], xc[a], xr[a], sbb)
     return xq, xc, xr
 
 
-@njit(nogil=True, cache=CACHE)
+@njit(parallel=True, nogil=True, cache=CACHE)
 def _swiglu(h, inter):
     """h [A, 2I] (gate | up) -> silu(gate) * up [A, I]."""
     a = np.empty((h.shape[0], inter), np.float32)
-    for j in range(h.shape[0]):
+    for j in prange(h.shape[0]):
         for i in range(inter):
             g = h[j, i]
             a[j, i] = g / (np.float32(1.0) + np.exp(-g)) * h[j, inter + i]

@@ -3,31 +3,47 @@
 The float kernel it replaced (kernels/lab/fp4_float_dot.py) spends ~8 vector uops per 16 code bytes (zero-extend, shift, two
 permutes, three FP ops) and is compute-bound at ~10 GB/s per core. Here an expert's input is quantized
 per 32-block to int8 (kernels/formats.py `quantize_act`, the arithmetic every expert path uses) and
-64 code bytes (128 weights) take: one load, a shift and two ANDs (nibbles), two byte shuffles
-(`vpshufb`: nibble -> 2 x E2M1 + 12, an unsigned byte in [0, 24]) and, per input, two integer dot
-products (`vpdpbusd` with AVX-512 VNNI; `vpmaddubsw` + `vpmaddwd` otherwise), one convert and two FP ops.
+the weights are summed against it in integers: nibbles through a byte shuffle (`vpshufb`: nibble ->
+2 x E2M1 + 12, an unsigned byte in [0, 24]), products through `vpdpbusd` (AVX-512 VNNI) or
+`vpmaddubsw` + `vpmaddwd` (AVX2, AVX-512BW).
 
-Per input a (one expert assignment) the caller prepares (`prepare` in kernels/cpu_moe.py):
-  xq [a*K : a*K + K]   int8 q: the K/2 even inputs q[2p], then the K/2 odd ones q[2p+1]
-                       (code byte p holds weight 2p in its low nibble, 2p+1 in its high nibble)
-  xc [a*K/8 + L]       int32 12 * (sum of the 8 q's that meet code bytes 4L..4L+3): the +12 offset's share
-  xr [a*K/8 + L]       float32 s_g / 2 for the group g = L // 4 of those bytes (s_g: the block's scale)
-Integer lane L then sums sum_{p in 4L..4L+3} (2 E2M1[lo_p] + 12) q[2p] + (2 E2M1[hi_p] + 12) q[2p+1]
-exactly (|.| < 2^15), minus xc gives 2 x the block's exact dot product, and
-    out = sum over lanes, in order, of float(lane) * (xr * 2^(scale byte - 127)).
+Superblocks (the main part of a row). A row is read in superblocks of 4 vectors of code bytes (4 x 64
+with AVX-512, 4 x 32 with AVX2: 16 or 8 blocks of 32 weights). The 4 vectors are transposed by 32-bit
+words within each 128-bit lane (eight unpacks), after which one 32-bit lane of every vector holds
+bytes of one block only: an integer accumulator per lane then sums a whole block (32 weights), and the
+block scale, the float convert and the multiply-add happen once per block and input, not once per 8
+weights. Per input and superblock (AVX-512 VNNI): 8 `vpdpbusd` started from the offset's share, one
+convert, one multiply, one FMA; per row and superblock the decode (4 loads, 8 unpacks, 5 ops per
+vector) and one scale vector.
+The rest of a row (its length modulo a superblock) goes in vector steps, then 16-byte SSE steps, with
+one accumulator lane per 4 code bytes (the layout below, "lanes").
+
+Per input a (one expert assignment) the caller prepares (`prepare` in kernels/cpu_moe.py, which owns the
+layout through `act_slot`):
+  xq [a*K : a*K + K]   int8 q: the K/2 even inputs q[2p], then the K/2 odd ones q[2p+1], each half in
+                       the order the kernel reads code bytes p (code byte p holds weight 2p in its low
+                       nibble, 2p+1 in its high nibble): transposed within superblocks, in order after
+  xc [a*K/8 + L]       int32 -12 x (sum of the q's that meet entry L's code bytes): the +12 offset's share
+  xr [a*K/8 + L]       float32 s_g / 2 for the block g of those bytes (s_g: the block's scale)
+where an entry L is one block in the superblock part (in lane order) and 4 code bytes in the rest.
+Integer lane L sums (2 E2M1[lo_p] + 12) q[2p] + (2 E2M1[hi_p] + 12) q[2p+1] over its bytes exactly
+(|.| < 2^17), plus xc gives 2 x the exact dot product of its bytes (exact in float32), and
+    out = sum of float(lane) * (xr * 2^(scale byte - 127)): per vector lane an FMA chain over the row,
+then the lanes summed pairwise (halves added), then the 16-byte steps' lanes the same way; the order
+is fixed by the instruction path alone, so an output is the same bits whatever the row layout,
+thread count or inputs beside it.
 Weight scale bytes become floats by a shift into the exponent (byte 255 -> NaN as the OCP spec says;
 byte 0, 2^-127, flushes to 0: under 1e-38 of any product).
 
 `fp4_i8_dot(R, T, mode, codes, c_off, c_stride, scales, s_off, s_stride, xq, xc, xr, a0, K, out, o_off,
 o_stride, or_stride)` (R, T, mode literals): for rows r < R (codes at c_off + r*c_stride, scales at
 s_off + r*s_stride) and inputs a0 + j, j < T: out[o_off + j*o_stride + r*or_stride] = row r . input j.
-mode 1: AVX2 (32-byte steps), 2: AVX-512BW (64-byte steps), 3: AVX-512 VNNI (64-byte steps); rows
-whose byte count is not a multiple of the step finish in 16-byte SSE steps.
+mode 1: AVX2 (32-byte vectors), 2: AVX-512BW (64-byte), 3: AVX-512 VNNI (64-byte).
 """
 from __future__ import annotations
 
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -35,9 +51,32 @@ from kernels.fp4_simd import E2M1, PREFETCH, _data_ptrs, _literal
 
 OFFSET = 12                                           # 2 x E2M1 in [-12, 12] -> + 12 in [0, 24]
 LUT16 = [int(2 * v) + OFFSET for v in E2M1]
-STEP = {1: 32, 2: 64, 3: 64}
+STEP = {1: 32, 2: 64, 3: 64}                          # bytes per vector
+SUPER = 4                                             # vectors per superblock
 
 i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+
+
+def superblock_bytes(mode: int) -> int:
+    """Code bytes per superblock on instruction path `mode` (0, the scalar path: none, lanes only)."""
+    return SUPER * STEP[mode] if mode else 0
+
+
+@njit(nogil=True, cache=True)
+def act_slot(p, half, sbb):
+    """Code byte p of a row of `half` code bytes, superblocks of `sbb` bytes -> (where its inputs sit in
+    each half of xq, its xc / xr entry). In a superblock the kernel's vector k, lane (b, m) (128-bit
+    lane b, word m) holds bytes 4k..4k+3 of block m * nl + b (nl = 128-bit lanes per vector)."""
+    p0 = (half // sbb) * sbb if sbb else 0
+    if p >= p0:                                       # in order, one entry per 4 code bytes
+        return p, p0 // 16 + (p - p0) // 4
+    v = sbb // SUPER
+    nl = v // 16
+    sb, w = p // sbb, p % sbb
+    g, o = w // 16, w % 16                            # block in the superblock, byte in the block
+    m, b = g // nl, g % nl
+    k, t = o // 4, o % 4
+    return sb * sbb + k * v + 16 * b + 4 * m + t, sb * (v // 4) + 4 * b + m
 
 
 def _vec(t, n):
@@ -49,7 +88,7 @@ def _fn(builder, name, ret, args):
 
 
 class _Step:
-    """Emits one step of `nb` code bytes (16, 32 or 64) for one row and T inputs."""
+    """Emits the arithmetic of one vector of `nb` code bytes (16, 32 or 64)."""
 
     def __init__(self, builder, nb, vnni):
         self.b, self.nb, self.n = builder, nb, nb // 4
@@ -66,35 +105,58 @@ class _Step:
         self.fma = _fn(builder, f"llvm.fma.v{self.n}f32", self.vf, [self.vf, self.vf, self.vf])
         self.lut = ir.Constant(self.vb, LUT16 * (nb // 16))
         self.ones = ir.Constant(self.vw, [1] * (nb // 2))
-        self.rep = ir.Constant(_vec(i32, self.n), [k // 4 for k in range(self.n)])   # scale byte g -> lanes 4g..4g+3
 
     def load(self, base, off, t, align=1):
         return self.b.load(self.b.bitcast(self.b.gep(base, [off]), t.as_pointer()), align=align)
 
-    def weights(self, cbase, c_at, sbase, s_at):
-        """-> (low-nibble bytes, high-nibble bytes, weight scale per lane as float)."""
+    def decode(self, c):
+        """code bytes -> (low-nibble bytes, high-nibble bytes), each 2 E2M1 + 12."""
         b = self.b
-        c = self.load(cbase, c_at, self.vb)
         m = ir.Constant(self.vb, [15] * self.nb)
         lo = b.call(self.shuf, [self.lut, b.and_(c, m)])
         hi = b.call(self.shuf, [self.lut, b.and_(b.lshr(c, ir.Constant(self.vb, [4] * self.nb)), m)])
-        g = self.nb // 16
+        return lo, hi
+
+    def scale(self, sbase, s_at, order):
+        """Weight scale bytes s_at + order[L] -> the float scale of lane L (255 -> NaN)."""
+        b, g = self.b, max(order) + 1
         sb = b.zext(self.load(sbase, s_at, _vec(i8, g)), _vec(i32, g))
-        s = b.shuffle_vector(sb, ir.Constant(_vec(i32, g), ir.Undefined), self.rep)
+        s = b.shuffle_vector(sb, ir.Constant(_vec(i32, g), ir.Undefined), ir.Constant(_vec(i32, self.n), order))
         bits = b.shl(s, ir.Constant(self.vi, [23] * self.n))
         nan = b.icmp_unsigned("==", s, ir.Constant(self.vi, [255] * self.n))
         bits = b.select(nan, ir.Constant(self.vi, [0x7FC00000] * self.n), bits)
-        return lo, hi, b.bitcast(bits, self.vf)
+        return b.bitcast(bits, self.vf)
 
-    def dot(self, lo, hi, qe, qo):
-        """-> <n x i32>: per lane, sum of (2 E2M1 + 12) x q over its 4 code bytes (8 weights)."""
+    def transpose(self, vs):
+        """4 code vectors -> 4 whose 32-bit word (128-bit lane c, word m) of vector k is word (c, k) of vs[m]."""
+        b, n = self.b, self.n
+        w = [b.bitcast(v, self.vi) for v in vs]
+        def mix(x, y, pick):
+            return b.shuffle_vector(x, y, ir.Constant(_vec(i32, n), [i for c in range(n // 4) for i in pick(4 * c)]))
+        lo32 = lambda c: (c, n + c, c + 1, n + c + 1)              # noqa: E731  unpack low 32-bit words
+        hi32 = lambda c: (c + 2, n + c + 2, c + 3, n + c + 3)      # noqa: E731
+        lo64 = lambda c: (c, c + 1, n + c, n + c + 1)              # noqa: E731  unpack low 64-bit halves
+        hi64 = lambda c: (c + 2, c + 3, n + c + 2, n + c + 3)      # noqa: E731
+        t0, t1, t2, t3 = mix(w[0], w[1], lo32), mix(w[2], w[3], lo32), mix(w[0], w[1], hi32), mix(w[2], w[3], hi32)
+        return [b.bitcast(v, self.vb) for v in (mix(t0, t1, lo64), mix(t0, t1, hi64), mix(t2, t3, lo64), mix(t2, t3, hi64))]
+
+    def dot(self, acc, lohi, qs):
+        """acc + per lane, sum of (2 E2M1 + 12) x q over the pairs (lo, hi) x (q even, q odd) given."""
         b = self.b
-        if self.vnni:
-            z = ir.Constant(self.vi, [0] * self.n)
-            acc = b.call(self.dpbusd, [z, b.bitcast(lo, self.vi), b.bitcast(qe, self.vi)])
-            return b.call(self.dpbusd, [acc, b.bitcast(hi, self.vi), b.bitcast(qo, self.vi)])
-        p = b.add(b.call(self.maddubs, [lo, qe]), b.call(self.maddubs, [hi, qo]))   # |.| <= 2*2*24*127 < 2^15
-        return b.call(self.maddwd, [p, self.ones])
+        if self.vnni:                                 # two chains, joined at the end
+            chains = [acc, ir.Constant(self.vi, [0] * self.n)]
+            for k, ((lo, hi), (qe, qo)) in enumerate(zip(lohi, qs)):
+                c = chains[k % 2]
+                c = b.call(self.dpbusd, [c, b.bitcast(lo, self.vi), b.bitcast(qe, self.vi)])
+                chains[k % 2] = b.call(self.dpbusd, [c, b.bitcast(hi, self.vi), b.bitcast(qo, self.vi)])
+            return b.add(chains[0], chains[1])
+        for k in range(0, len(lohi), 2):              # 16-bit sums of <= 4 products pairs: |.| <= 4*2*24*127 < 2^15
+            p = None
+            for (lo, hi), (qe, qo) in zip(lohi[k:k + 2], qs[k:k + 2]):
+                s = b.add(b.call(self.maddubs, [lo, qe]), b.call(self.maddubs, [hi, qo]))
+                p = s if p is None else b.add(p, s)
+            acc = b.add(acc, b.call(self.maddwd, [p, self.ones]))
+        return acc
 
 
 @intrinsic
@@ -116,8 +178,13 @@ def fp4_i8_dot(typingctx, R_t, T_t, mode_t, codes, c_off, c_stride, scales, s_of
         c64 = lambda v: ir.Constant(i64, v)  # noqa: E731
         half = builder.udiv(K_v, c64(2))                                # code bytes per row
         step = STEP[mode]
-        n_main = builder.udiv(half, c64(step))
-        n_tail = builder.udiv(builder.sub(half, builder.mul(n_main, c64(step))), c64(16))
+        sbb = SUPER * step
+        n_super = builder.udiv(half, c64(sbb))
+        p0 = builder.mul(n_super, c64(sbb))                             # where the superblocks end
+        e0 = builder.udiv(p0, c64(16))                                  # their xc / xr entries (one per block)
+        n_main = builder.udiv(builder.sub(half, p0), c64(step))
+        p1 = builder.add(p0, builder.mul(n_main, c64(step)))
+        n_tail = builder.udiv(builder.sub(half, p1), c64(16))
         rows_c = [builder.add(c_off_v, builder.mul(c_stride_v, c64(r))) for r in range(R)]
         rows_s = [builder.add(s_off_v, builder.mul(s_stride_v, c64(r))) for r in range(R)]
         toks_q = [builder.mul(builder.add(a0_v, c64(j)), K_v) for j in range(T)]
@@ -125,34 +192,81 @@ def fp4_i8_dot(typingctx, R_t, T_t, mode_t, codes, c_off, c_stride, scales, s_of
         prefetch = _fn(builder, "llvm.prefetch.p0i8", ir.VoidType(), [i8.as_pointer(), i32, i32, i32])
         sums = [[ir.Constant(f32, 0.0)] * T for _ in range(R)]
 
-        def run(st: _Step, count, p0):
-            """Steps k < count at code byte p0 + k*nb of every row; returns the per-(row, input) sums."""
-            accs = [[cgutils.alloca_once_value(builder, ir.Constant(st.vf, [0.0] * st.n)) for _ in range(T)] for _ in range(R)]
-            with cgutils.for_range(builder, count) as loop:
-                p = builder.add(p0, builder.mul(loop.index, c64(st.nb)))
-                lane = builder.udiv(p, c64(4))
+        def fetch_ahead(at):
+            builder.call(prefetch, [builder.gep(cbase, [builder.add(at, c64(PREFETCH))]),
+                                    ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
+        def accumulators(st):
+            return [[cgutils.alloca_once_value(builder, ir.Constant(st.vf, [0.0] * st.n)) for _ in range(T)] for _ in range(R)]
+
+        def total(accs, n):
+            """sums[r][j] += each accumulator's lanes, summed pairwise (halves added until one lane is
+            left: 4 shuffles and 4 adds for 16 lanes; an ordered sum is a 16-add chain per output)."""
+            for r in range(R):
+                for j in range(T):
+                    v, m = builder.load(accs[r][j]), n
+                    while m > 1:
+                        m //= 2
+                        lo = builder.shuffle_vector(v, v, ir.Constant(_vec(i32, m), list(range(m))))
+                        hi = builder.shuffle_vector(v, v, ir.Constant(_vec(i32, m), list(range(m, 2 * m))))
+                        v = builder.fadd(lo, hi)
+                    sums[r][j] = builder.fadd(sums[r][j], builder.extract_element(v, ir.Constant(i32, 0)))
+
+        def superblocks(st: _Step, accs):
+            nl = st.nb // 16
+            order = [(L % 4) * nl + L // 4 for L in range(st.n)]       # lane (c, m) <- block m * nl + c
+
+            def body(i, accs):
+                p = builder.mul(i, c64(sbb))
+                e = builder.mul(i, c64(st.n))                            # st.n blocks per superblock
+                qs = [[(st.load(qbase, builder.add(toks_q[j], builder.add(p, c64(k * step))), st.vb),
+                        st.load(qbase, builder.add(builder.add(toks_q[j], half), builder.add(p, c64(k * step))), st.vb))
+                       for k in range(SUPER)] for j in range(T)]
+                for r in range(R):
+                    cp = builder.add(rows_c[r], p)
+                    for k in range(0, sbb, 64):
+                        fetch_ahead(builder.add(cp, c64(k)))
+                    vs = st.transpose([st.load(cbase, builder.add(cp, c64(k * step)), st.vb) for k in range(SUPER)])
+                    lohi = [st.decode(v) for v in vs]
+                    ws = st.scale(sbase, builder.add(rows_s[r], e), order)
+                    for j in range(T):
+                        k = builder.add(toks_k[j], e)
+                        f = builder.sitofp(st.dot(st.load(cxbase, k, st.vi, 4), lohi, qs[j]), st.vf)
+                        xs = st.load(rbase, k, st.vf, 4)
+                        builder.store(builder.call(st.fma, [f, builder.fmul(ws, xs), builder.load(accs[r][j])]), accs[r][j])
+            with cgutils.for_range(builder, n_super) as loop:
+                body(loop.index, accs)
+
+        def steps(st: _Step, count, start, accs):
+            """Vectors of code bytes in order from byte `start`: one entry (xc, xr) per 4 code bytes."""
+            def body(i, accs):
+                p = builder.add(start, builder.mul(i, c64(st.nb)))
+                e = builder.add(e0, builder.udiv(builder.sub(p, p0), c64(4)))
                 ins = []
                 for j in range(T):
                     qe = st.load(qbase, builder.add(toks_q[j], p), st.vb)
                     qo = st.load(qbase, builder.add(builder.add(toks_q[j], half), p), st.vb)
-                    k = builder.add(toks_k[j], lane)
-                    ins.append((qe, qo, st.load(cxbase, k, st.vi, 4), st.load(rbase, k, st.vf, 4)))
+                    k = builder.add(toks_k[j], e)
+                    ins.append(((qe, qo), st.load(cxbase, k, st.vi, 4), st.load(rbase, k, st.vf, 4)))
                 for r in range(R):
                     cp = builder.add(rows_c[r], p)
                     if st.nb > 16:
-                        builder.call(prefetch, [builder.gep(cbase, [builder.add(cp, c64(PREFETCH))]),
-                                                ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-                    lo, hi, ws = st.weights(cbase, cp, sbase, builder.add(rows_s[r], builder.udiv(p, c64(16))))
-                    for j, (qe, qo, corr, xs) in enumerate(ins):
-                        f = builder.sitofp(builder.sub(st.dot(lo, hi, qe, qo), corr), st.vf)
+                        fetch_ahead(cp)
+                    lohi = st.decode(st.load(cbase, cp, st.vb))
+                    ws = st.scale(sbase, builder.add(rows_s[r], builder.udiv(p, c64(16))), [L // 4 for L in range(st.n)])
+                    for j, (q, corr, xs) in enumerate(ins):
+                        f = builder.sitofp(st.dot(corr, [lohi], [q]), st.vf)
                         builder.store(builder.call(st.fma, [f, builder.fmul(ws, xs), builder.load(accs[r][j])]), accs[r][j])
-            red = _fn(builder, f"llvm.vector.reduce.fadd.v{st.n}f32", f32, [f32, st.vf])
-            for r in range(R):
-                for j in range(T):
-                    sums[r][j] = builder.call(red, [sums[r][j], builder.load(accs[r][j])])
+            with cgutils.for_range(builder, count) as loop:
+                body(loop.index, accs)
 
-        run(_Step(builder, step, mode == 3), n_main, c64(0))
-        run(_Step(builder, 16, False), n_tail, builder.mul(n_main, c64(step)))
+        main, tail = _Step(builder, step, mode == 3), _Step(builder, 16, False)
+        accs, tail_accs = accumulators(main), accumulators(tail)        # float vector accumulators per (row, input)
+        superblocks(main, accs)
+        steps(main, n_main, p0, accs)
+        steps(tail, n_tail, p1, tail_accs)
+        total(accs, main.n)
+        total(tail_accs, tail.n)
         for r in range(R):
             for j in range(T):
                 o = builder.add(builder.add(o_off_v, builder.mul(o_stride_v, c64(j))), builder.mul(or_stride_v, c64(r)))

@@ -9,7 +9,14 @@ gate/up geometry). Variants:
   v2  SIMD intrinsic, 4 consecutive rows per x load
   v3  SIMD intrinsic, 4 rows a quarter-chunk apart per x load (4 DRAM streams per thread)
   v4  v3's row layout on int8 inputs: nibble -> byte shuffle, integer dot products (VNNI `vpdpbusd`, or
-      `vpmaddubsw` + `vpmaddwd`), one convert and two FP ops per 64 code bytes -> package
+      `vpmaddubsw` + `vpmaddwd`), a convert and two FP ops per 4 code bytes (kernels/lab/fp4_i8_lanes.py)
+  v5  v4's arithmetic, 1 row at a time (rows in order: one DRAM stream per thread)
+  v6  v4's arithmetic, 4 consecutive rows per input load
+  v7  superblocks (kernels/fp4_i8.py): 4 vectors transposed so an integer lane sums a whole block; a
+      convert and two FP ops per block, one scale vector per 16 blocks; 1 row at a time -> package
+  v8  v7, 4 rows a quarter-chunk apart
+With --in-cache every step makes 16 passes over the same 256 rows per thread (700 KB a core: its L2
+holds them; the compute ceiling); else fresh rows from DRAM, one expert's gate+up (4608 rows) a step. Variants run interleaved over --rounds rounds.
 The package (kernels/cpu_moe.py) imports only the winner. Results and notes: kernels/lab/README.md.
 """
 from __future__ import annotations
@@ -22,8 +29,9 @@ from numba import njit, prange
 
 from hostinfo import llc_bytes, probe_budget_bytes, usable_cores
 from hostinfo.measure import measure
-from kernels.cpu_moe import E2M1_F32, LANES, MODE, STAB, _prepare
+from kernels.cpu_moe import E2M1_F32, LANES, MODE, STAB, _prepare, random_bytes
 from kernels.fp4_i8 import fp4_i8_dot
+from kernels.lab.fp4_i8_lanes import fp4_i8_dot_lanes
 from kernels.formats import dequantize_mxfp4
 from kernels.lab.fp4_float_dot import fp4_dot
 from kernels.stream import dram_stream_read
@@ -78,12 +86,32 @@ def v4(cf, sf, xp, out, row0, nrows, stab):
     for c in prange(nrows // CHUNK):
         for i in range(q):
             r = row0 + c * CHUNK + i
-            fp4_i8_dot(4, 1, MODE, cf, r * (H // 2), q * (H // 2), sf, r * (H // 32), q * (H // 32), xq.reshape(-1),
-                       xc.reshape(-1), xr.reshape(-1), 0, H, out, r - row0, 0, q)
+            fp4_i8_dot_lanes(4, 1, MODE, cf, r * (H // 2), q * (H // 2), sf, r * (H // 32), q * (H // 32), xq.reshape(-1),
+                             xc.reshape(-1), xr.reshape(-1), 0, H, out, r - row0, 0, q)
 
 
 @njit(parallel=True, nogil=True)
 def v5(cf, sf, xp, out, row0, nrows, stab):
+    xq, xc, xr = xp
+    for c in prange(nrows // CHUNK):
+        for i in range(CHUNK):
+            r = row0 + c * CHUNK + i
+            fp4_i8_dot_lanes(1, 1, MODE, cf, r * (H // 2), 0, sf, r * (H // 32), 0, xq.reshape(-1),
+                             xc.reshape(-1), xr.reshape(-1), 0, H, out, r - row0, 0, 0)
+
+
+@njit(parallel=True, nogil=True)
+def v6(cf, sf, xp, out, row0, nrows, stab):
+    xq, xc, xr = xp
+    for c in prange(nrows // CHUNK):
+        for i in range(0, CHUNK, 4):
+            r = row0 + c * CHUNK + i
+            fp4_i8_dot_lanes(4, 1, MODE, cf, r * (H // 2), H // 2, sf, r * (H // 32), H // 32, xq.reshape(-1),
+                             xc.reshape(-1), xr.reshape(-1), 0, H, out, r - row0, 0, 1)
+
+
+@njit(parallel=True, nogil=True)
+def v7(cf, sf, xp, out, row0, nrows, stab):
     xq, xc, xr = xp
     for c in prange(nrows // CHUNK):
         for i in range(CHUNK):
@@ -93,54 +121,72 @@ def v5(cf, sf, xp, out, row0, nrows, stab):
 
 
 @njit(parallel=True, nogil=True)
-def v6(cf, sf, xp, out, row0, nrows, stab):
+def v8(cf, sf, xp, out, row0, nrows, stab):
+    q = CHUNK // 4
     xq, xc, xr = xp
     for c in prange(nrows // CHUNK):
-        for i in range(0, CHUNK, 4):
+        for i in range(q):
             r = row0 + c * CHUNK + i
-            fp4_i8_dot(4, 1, MODE, cf, r * (H // 2), H // 2, sf, r * (H // 32), H // 32, xq.reshape(-1),
-                       xc.reshape(-1), xr.reshape(-1), 0, H, out, r - row0, 0, 1)
+            fp4_i8_dot(4, 1, MODE, cf, r * (H // 2), q * (H // 2), sf, r * (H // 32), q * (H // 32), xq.reshape(-1),
+                       xc.reshape(-1), xr.reshape(-1), 0, H, out, r - row0, 0, q)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=usable_cores())
-    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=16, help="timed steps per variant, spread over the rounds")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--in-cache", action="store_true", help="the same rows every step (compute ceiling)")
+    ap.add_argument("--only", nargs="+", help="variant names to run (e.g. v5 v7)")
     args = ap.parse_args(argv)
     set_threads(args.threads)
-    row_bytes, n = H * 17 / 32, 4608                           # one expert's gate+up rows per step
+    row_bytes, n = H * 17 / 32, (256 * args.threads if args.in_cache else 4608)   # rows per pass
     # >= 4.2x the total LLC and >= 8 steps of fresh rows, within the probe memory budget
     rows = max(int(4.2 * llc_bytes() / row_bytes), 8 * n)
-    rows = max(2 * n, min(rows, int(probe_budget_bytes() / row_bytes))) // n * n
+    rows = n if args.in_cache else max(2 * n, min(rows, int(probe_budget_bytes() / row_bytes))) // n * n
     rng = np.random.default_rng(0)
-    codes = np.frombuffer(bytearray(rng.bytes(rows * H // 2)), np.uint8).reshape(rows, H // 2)
+    codes = random_bytes(rng, (rows, H // 2))                 # numpy's allocation: huge pages, as the runtime's banks
     scales = (115 + rng.integers(-1, 2, (rows, H // 32))).astype(np.uint8)
     x = rng.standard_normal(H).astype(np.float32)
     xd = np.concatenate([x[0::2], x[1::2]])
     ref = (dequantize_mxfp4(torch.from_numpy(codes[:n]), torch.from_numpy(scales[:n]), torch.float64) @ torch.from_numpy(x).double()).numpy()
     stream = dram_stream_read(args.threads)
-    print(f"bank {rows * H * 17 / 32 / 1e9:.2f} GB, stream {stream.median:.2f} GB/s ({args.threads} threads, ISA lanes {LANES})")
+    where = "the same rows every step (in cache)" if args.in_cache else "fresh rows (DRAM)"
+    print(f"bank {rows * H * 17 / 32 / 1e9:.2f} GB, {where}, stream {stream.median:.2f} GB/s ({args.threads} threads, ISA lanes {LANES})")
+    one = np.zeros(1, np.int64)
     variants = [("v0 plain loops", v0, (codes, scales, x))]
     if LANES:                                                  # the SIMD variants need avx2 / avx512
-        variants += [("v1 simd 1 row", v1, (codes.reshape(-1), scales.reshape(-1), xd)),
-                     ("v2 simd 4 rows", v2, (codes.reshape(-1), scales.reshape(-1), xd)),
-                     ("v3 simd 4 spaced rows", v3, (codes.reshape(-1), scales.reshape(-1), xd)),
-                     ("v4 int8 4 spaced rows", v4, (codes.reshape(-1), scales.reshape(-1), _prepare(x[None], np.zeros(1, np.int64)))),
-                     ("v5 int8 1 row", v5, (codes.reshape(-1), scales.reshape(-1), _prepare(x[None], np.zeros(1, np.int64)))),
-                     ("v6 int8 4 adjacent rows", v6, (codes.reshape(-1), scales.reshape(-1), _prepare(x[None], np.zeros(1, np.int64))))]
+        lanes, sup = _prepare(x[None], one, 0), _prepare(x[None], one)
+        cs = (codes.reshape(-1), scales.reshape(-1))
+        variants += [("v1 simd 1 row", v1, cs + (xd,)), ("v2 simd 4 rows", v2, cs + (xd,)),
+                     ("v3 simd 4 spaced rows", v3, cs + (xd,)), ("v4 int8 4 spaced rows", v4, cs + (lanes,)),
+                     ("v5 int8 1 row", v5, cs + (lanes,)), ("v6 int8 4 adjacent rows", v6, cs + (lanes,)),
+                     ("v7 superblocks 1 row", v7, cs + (sup,)), ("v8 superblocks 4 spaced", v8, cs + (sup,))]
     else:
         print("scalar ISA: only v0 (the SIMD variants need avx2 or avx512)")
+    if args.only:
+        variants = [v for v in variants if v[0].split()[0] in args.only]
+    samples, errs, passes = {}, {}, (16 if args.in_cache else 1)
     for name, f, a in variants:
         out = np.full(n, np.nan, np.float32)
         f(*a, out, 0, n, STAB)
-        err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
-        state = {"i": 1}
+        errs[name] = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+        samples[name] = []
+    for _ in range(args.rounds):                               # interleaved: every variant in every round
+        for name, f, a in variants:
+            out = np.empty(n, np.float32)
+            state = {"i": 1}
 
-        def step():
-            f(*a, out, (state["i"] * n) % (rows - n), n, STAB)
-            state["i"] += 1
-        m = measure(step, repeats=args.steps if name[1] != "0" else 3, warmup=1).map(lambda s: n * H * 17 / 32 / s / 1e9, "GB/s")
-        print(f"{name:24s} {m.median:6.2f} GB/s [{m.min:.2f}-{m.max:.2f}]  ratio {m.median / stream.median:.2f}  rel.err {err:.1e}")
+            def step():
+                for _ in range(passes):
+                    f(*a, out, 0 if args.in_cache else (state["i"] * n) % (rows - n), n, STAB)
+                state["i"] += 1
+            reps = 1 if name[1] == "0" else max(1, args.steps // args.rounds)
+            samples[name] += measure(step, repeats=reps, warmup=1).map(lambda s: passes * n * H * 17 / 32 / s / 1e9, "GB/s").samples
+    for name, _, _ in variants:
+        m = np.array(samples[name])
+        print(f"{name:26s} {np.median(m):6.2f} GB/s [{m.min():.2f}-{m.max():.2f}]  ratio {np.median(m) / stream.median:.2f}  "
+              f"rel.err {errs[name]:.1e}")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,8 @@ def _check(y, ref, rtol=RTOL):
     ("many-tokens", 12, 128, 64, 40, 4, False),
     ("duplicate-experts", 6, 128, 64, 5, 3, True),
     ("one-expert-bank", 1, 64, 32, 2, 1, False),
+    ("superblocks-and-tails", 6, 1024, 576, 3, 2, False),       # rows of 2 superblocks; 1 + a 32-byte tail
+    ("superblock-verify", 8, 640, 320, 7, 3, False),            # 1 superblock + a 64-byte vector; 7 = 4 + 3 inputs
 ])
 def test_expert_ffn_matches_reference(name, E, H, I, T, K, dup):
     bank, x, ids, w = _case(zlib.crc32(name.encode()), E, H, I, T, K, dup)
@@ -135,12 +137,15 @@ from kernels.formats import dequantize_mxfp4
 import torch
 assert ISA == {isa!r}, ISA
 rng = np.random.default_rng(0)
-bank = Fp4Bank.random(6, 160, 96, seed=1)
-x = rng.standard_normal((3, 160)).astype(np.float32)
-ids = np.array([[0, 5], [5, 2], [1, 1]]); w = rng.random((3, 2)).astype(np.float32)
-y = expert_ffn(x, ids, w, bank); r = expert_ffn_reference(x, ids, w, bank).numpy()
-assert np.array_equal(y, expert_ffn(x, ids, w, bank, streams=1)), "row layouts differ"
-err = np.linalg.norm(y - r) / np.linalg.norm(r)
+errs = []
+for H, I in ((160, 96), (1024, 576)):           # every row in tail steps; superblocks, vectors and 16-byte steps
+    bank = Fp4Bank.random(6, H, I, seed=1)
+    x = rng.standard_normal((3, H)).astype(np.float32)
+    ids = np.array([[0, 5], [5, 2], [1, 1]]); w = rng.random((3, 2)).astype(np.float32)
+    y = expert_ffn(x, ids, w, bank); r = expert_ffn_reference(x, ids, w, bank).numpy()
+    assert np.array_equal(y, expert_ffn(x, ids, w, bank, streams=1)), "row layouts differ"
+    errs.append(np.linalg.norm(y - r) / np.linalg.norm(r))
+err = max(errs)
 d = dequant_experts(bank.w2_codes, bank.w2_scales, [4])[0]
 dr = dequantize_mxfp4(torch.from_numpy(bank.w2_codes[4]), torch.from_numpy(bank.w2_scales[4])).numpy()
 print(err, np.array_equal(d, dr))

@@ -72,17 +72,23 @@ def test_each_sequence_decodes_as_it_would_alone(ck):
 
 
 def _matches_alone(ck, plan, seqs):
-    """Each finished sequence's logits match its run alone within TOL at every step, and its greedy
-    tokens match up to the first step whose top-2 margin is inside 20x that tolerance."""
+    """Each finished sequence's greedy tokens match its run alone up to the first step whose top-2
+    margin is inside 20x the runtime's tolerance, and the median step's logits agree within 1e-5. Not
+    every step's: a batched pass sums in another order than a lone one (~1e-7 on an expert input), and
+    where that puts an input on a rounding midpoint of the int8-per-32 quantizer it moves one code;
+    such a step's logits move by up to ~1e-2 (8.8e-3 seen), and no margin predicts it
+    (tests/runtime/test_dspark.py)."""
+    diffs = []
     for s in seqs:
         ref = alone(ck, plan, s.prompt, s.max_tokens)
         assert len(s.tokens) == len(ref.tokens)
         for k, (a, b) in enumerate(zip(s.keep_logits, ref.logits)):
-            assert (a.double() - b.double()).abs().max() < TOL, (len(s.prompt), k)
+            diffs.append(float((a.double() - b.double()).abs().max()))
             top = torch.topk(b, 2).values
             if float(top[0] - top[1]) <= 20 * TOL:
                 break
-            assert s.tokens[k] == ref.tokens[k]
+            assert s.tokens[k] == ref.tokens[k], (len(s.prompt), k)
+    assert len(diffs) >= len(seqs) and sorted(diffs)[len(diffs) // 2] < 1e-5, diffs
 
 
 def test_dspark_composes_each_sequences_drafts_verified_in_the_same_step(ck):
