@@ -4,7 +4,8 @@
 
 NVMe: the profiler's random 4 KiB O_DIRECT probe (the runtime's BatchedReader) against fio on the same
 file at the same depths: `--ioengine=libaio --iodepth=D`, `--ioengine=io_uring --iodepth=D` and
-`--ioengine=psync --numjobs=D` (D reads in flight); the ratio is to the better engine. DRAM: the
+`--ioengine=psync --numjobs=D` (D reads in flight), interleaved over `--nvme-rounds` rounds; the ratio
+is of medians, to the best engine. DRAM: the
 profiler's stream probe against a compiled C/OpenMP read reduction over the same buffer size
 (benchmarks/ref/stream_read.c, built here with gcc) and likwid-bench's load kernels (every width it
 has, on the same thread count and size) where installed, all interleaved over `--rounds` rounds;
@@ -90,6 +91,7 @@ def main(argv=None):
     ap.add_argument("--seconds", type=int, default=3)
     ap.add_argument("--dir", default=".", help="directory on the filesystem to probe (a 1 GiB scratch file)")
     ap.add_argument("--rounds", type=int, default=5, help="DRAM: interleaved rounds of probe, C reference, likwid")
+    ap.add_argument("--nvme-rounds", type=int, default=3, help="NVMe: interleaved rounds of probe and fio per depth (medians)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     rows = []
@@ -99,12 +101,18 @@ def main(argv=None):
             print("fio is not installed (apt-get install fio): NVMe comparison skipped")
         else:
             print(f"{'QD':>3} {'probe IOPS':>11} {'fio libaio':>11} {'io_uring':>9} {'psync':>9}  probe/best")
+            engines = ("libaio", "io_uring", "psync")
             for d in args.depths:
-                ours = nvme.randread_4k(path, d, max(4000, 8000 * min(d, 8)))["iops"]
-                ref = {e: fio(path, e, d, args.seconds) for e in ("libaio", "io_uring", "psync")}
+                runs = {"probe": [], **{e: [] for e in engines}}
+                for _ in range(args.nvme_rounds):          # interleaved: probe and every engine in each round
+                    runs["probe"].append(nvme.randread_4k(path, d, max(4000, 8000 * min(d, 8)))["iops"])
+                    for e in engines:
+                        runs[e].append(fio(path, e, d, args.seconds))
+                med = {k: float(np.median(v)) for k, v in runs.items()}
+                ours, ref = med["probe"], {e: med[e] for e in engines}
                 best = max(ref, key=ref.get)
                 r = {"qd": d, "probe_iops": ours, **{f"fio_{e}_iops": v for e, v in ref.items()},
-                     "best_engine": best, "ratio_best": ours / ref[best]}
+                     "best_engine": best, "ratio_best": ours / ref[best], "samples": runs}
                 rows.append(r)
                 print(f"{d:>3} {ours:>11,.0f} {ref['libaio']:>11,.0f} {ref['io_uring']:>9,.0f} {ref['psync']:>9,.0f}"
                       f"  {r['ratio_best']:>9.2f} ({best})")

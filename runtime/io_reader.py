@@ -124,16 +124,20 @@ class BatchedReader:
         big, view_at, length = self._read(requests, latencies, reuse)
         return [np.frombuffer(big, np.uint8, int(n_), int(v)) for v, n_ in zip(view_at.tolist(), length.tolist())]
 
-    def read_blocks(self, path: str, blocks: np.ndarray, reuse: bool = False, latencies: list | None = None) -> np.ndarray:
+    def read_blocks(self, path: str, blocks: np.ndarray, reuse: bool = False, latencies: list | None = None,
+                    discard: bool = False) -> np.ndarray | None:
         """The BLOCK-sized blocks `blocks` (block numbers) of one file -> uint8 [len(blocks) * BLOCK], block
         k of the list at k * BLOCK (two consecutive block numbers are adjacent in the result). No Python
-        per block (the probes' random 4 KiB reads, Engram prefill rows). reuse, latencies: as in `read`."""
+        per block (the probes' random 4 KiB reads, Engram prefill rows). reuse, latencies: as in `read`.
+        discard (probes): the data is not kept, every read lands in a ring of 2 x depth blocks (as fio's
+        buffers, and as a decode step's rows land in an arena the cache holds; 20 000 reads into 80 MB
+        of fresh destinations measured 10-15% fewer IOPS at depth 32-64 here) -> None."""
         if not len(blocks):
-            return np.empty(0, np.uint8)
+            return None if discard else np.empty(0, np.uint8)
         n, fd = len(blocks), self._fd(path)
         big, _, _ = self._read_arrays({path: fd}, np.full(n, fd, np.int64), np.asarray(blocks, np.int64) * BLOCK,
-                                      np.full(n, BLOCK, np.int64), latencies, reuse)
-        return np.frombuffer(big, np.uint8, n * BLOCK)
+                                      np.full(n, BLOCK, np.int64), latencies, reuse, ring=2 * self.depth if discard else 0)
+        return None if discard else np.frombuffer(big, np.uint8, n * BLOCK)
 
     def _arena(self, n: int):
         """This thread's reusable read buffer of at least n bytes: grown to exactly what a read needs
@@ -154,10 +158,11 @@ class BatchedReader:
         length = np.array([n for _, _, n in requests], np.int64)
         return self._read_arrays(fds, fd_of, off, length, latencies, reuse)
 
-    def _read_arrays(self, fds, fd_of, off, length, latencies, reuse):
+    def _read_arrays(self, fds, fd_of, off, length, latencies, reuse, ring=0):
         """Requests as arrays (fd, file offset, bytes) -> (buffer, each request's place in it, length).
         Vectorized plan: piece = (fd, aligned file offset, bytes, offset in the buffer); requests longer
-        than PIECE are split so that `depth` applies to them too."""
+        than PIECE are split so that `depth` applies to them too. ring > 0 (BLOCK-sized requests whose
+        data nobody reads): piece i lands at block i % ring of a ring-sized buffer."""
         a0 = off - off % BLOCK
         span = -(-(off + length) // BLOCK) * BLOCK - a0                    # aligned bytes per request
         start = np.concatenate([[0], np.cumsum(span)[:-1]])                # request's place in the buffer
@@ -170,6 +175,10 @@ class BatchedReader:
         p_fd, p_off, p_len = fd_of[r], a, -(-(o + n) // BLOCK) * BLOCK - a
         p_dst = start[r] + a - a0[r]
         need = int(span.sum())
+        if ring:
+            if (length != BLOCK).any() or (off % BLOCK).any():
+                raise ValueError("a discarding read takes whole aligned blocks only")
+            p_dst, need = (np.arange(len(r)) % ring) * BLOCK, min(need, ring * BLOCK)
         arena = reuse and (self.arena_bytes is None or need <= self.arena_bytes)   # a capped arena: counted by the plan
         big = self._arena(need) if arena else _aligned(need)
         mv = memoryview(big)

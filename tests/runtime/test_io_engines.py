@@ -99,3 +99,29 @@ def test_an_engine_that_fails_mid_read_hands_over_to_threads(files, monkeypatch)
     assert r.engine_used == "threads" and "failed during a read" in r.aio_refusal
     assert bytes(r.read([(str(files[0]), 7, 3)])[0]) == data[7:10]
     r.close()
+
+
+@pytest.mark.parametrize("engine", ["uring", "aio", "threads"])
+def test_block_reads_and_the_probes_discarding_reads(files, engine):
+    """read_blocks puts block k of the list at k * BLOCK; a discarding read (the IOPS probe's) reads the
+    same blocks into a ring of 2 x depth blocks, counts them, returns nothing, and takes whole blocks only."""
+    if engine in OPEN:
+        if o_direct_refusal(files[0]):
+            pytest.skip(f"no O_DIRECT here: {o_direct_refusal(files[0])}")
+        ctx, why = OPEN[engine](1)
+        if ctx is None:
+            pytest.skip(f"the kernel refuses {engine} here: {why}")
+        ctx.close()
+    B = io_reader.BLOCK
+    data = files[0].read_bytes()
+    blocks = np.random.default_rng(5).integers(0, len(data) // B, 500)
+    r = BatchedReader(depth=8, engine=engine)
+    got = r.read_blocks(str(files[0]), blocks, latencies=(lat := []))
+    assert all(bytes(got[k * B:(k + 1) * B]) == data[b * B:(b + 1) * B] for k, b in enumerate(blocks))
+    before = r.requests
+    assert r.read_blocks(str(files[0]), blocks, reuse=True, latencies=lat, discard=True) is None
+    assert r.requests - before == len(blocks) and len(lat) == 2 * len(blocks)
+    with pytest.raises(ValueError, match="whole aligned blocks"):
+        r._read_arrays({str(files[0]): r._fd(str(files[0]))}, np.array([r._fd(str(files[0]))]), np.array([0]),
+                       np.array([100]), None, True, ring=16)
+    r.close()
