@@ -60,9 +60,9 @@ def study_name(profile: dict, fp: Footprint, wl: Workload, vram_budget_gib, allo
 
 
 def cpu_moe_streams(profile: dict) -> int:
-    """The CPU-MoE row layout the profiler measured faster on this host (4, the kernel's default, when
-    the profile predates the probe or skipped it)."""
-    return int((profile["measurements"].get("cpu_moe_streams") or {}).get("best", 4))
+    """The CPU-MoE row layout the profiler measured faster on this host (the Plan's default when the
+    profile predates the probe or skipped it)."""
+    return int((profile["measurements"].get("cpu_moe_streams") or {}).get("best", Plan.cpu_moe_streams))
 
 
 def suggest_plan(trial: optuna.Trial, profile: dict, fp: Footprint, wl: Workload, vram_budget_gib, allow_inexact) -> Plan:

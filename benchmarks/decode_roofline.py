@@ -2,7 +2,8 @@
 
   python benchmarks/decode_roofline.py [--checkpoint out/mini] [--prompt-tokens 256] [--max-tokens 24] [--json]
 
-decode: plan `cpu`, all threads, warm. Rooflines:
+decode: plan `cpu`, all threads, the CPU-MoE row layout the tuner would pick here (both timed on the
+checkpoint's bank; `--streams` forces one), warm. Rooflines:
   roofline        = DRAM stream read (this run) / bytes per decoded token from the footprint
                     (routed experts K*L*expert + shared + dense/attention + head, as stored)
   kernel-bound    = 1 / sum over phases of (that phase's bytes per token / its kernel's GB/s), each
@@ -32,6 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hostinfo import usable_cores  # noqa: E402
+from autotune.probes.cpu_moe import row_streams  # noqa: E402
 from hostinfo.measure import measure  # noqa: E402
 from kernels.stream import dram_stream_read  # noqa: E402
 from kernels.cpu_moe import Fp4Bank, expert_ffn  # noqa: E402
@@ -58,6 +60,8 @@ def main(argv=None):
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--threads", type=int, default=usable_cores())
+    ap.add_argument("--streams", default="measured", choices=["measured", "1", "4"],
+                    help="the CPU-MoE row layout (Plan.cpu_moe_streams); measured: the faster here, as the tuner picks it")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if not (Path(args.checkpoint) / "model.safetensors.index.json").exists():
@@ -71,6 +75,15 @@ def main(argv=None):
     prompt = make_prompt(Tokenizer.from_file(str(ck.root / "tokenizer.json")), args.prompt_tokens, seed=0)
     plan = Plan(moe_strategy="cpu", cpu_threads=T, prefill_chunk=args.prompt_tokens, max_context=args.prompt_tokens + args.max_tokens + 8)
     engine = Engine(ck, plan)
+    if args.streams == "measured":                               # the layout the tuner would put in the plan here
+        streams, by = row_streams(engine.experts.host[0], T, cfg.num_experts_per_tok)
+        print("row layout: " + ", ".join(f"{k} stream(s) {v.median:.1f} GB/s" for k, v in by.items()) + f" -> {streams}")
+    else:
+        streams = int(args.streams)
+    if streams != plan.cpu_moe_streams:
+        engine.close()
+        plan = plan.replace(cpu_moe_streams=streams)
+        engine = Engine(ck, plan)
     engine.generate(prompt, 4)                                   # warm: compile, page in
     stream = dram_stream_read(T)
     runs = [engine.generate(prompt, args.max_tokens) for _ in range(3)]
@@ -85,7 +98,7 @@ def main(argv=None):
     def moe_step():
         ids = ((np.arange(cfg.num_experts_per_tok) + cfg.num_experts_per_tok * step["i"]) % E)[None]
         step["i"] += 1
-        expert_ffn(x, ids, np.ones_like(ids, dtype=np.float32), bank, threads=T)
+        expert_ffn(x, ids, np.ones_like(ids, dtype=np.float32), bank, threads=T, streams=streams)
     banks = engine.experts.host                                  # rotate layers so experts are fresh
     m = measure(moe_step, repeats=12, warmup=2)
     kernel_gbs = cfg.num_experts_per_tok * fp.expert_bytes / m.median / 1e9
@@ -103,7 +116,8 @@ def main(argv=None):
     # prefill roofline: one pass over every expert (all touched at this width), FLOP at the kernel's width rate
     n = max(1, args.prompt_tokens * cfg.num_experts_per_tok // cfg.n_routed_experts)
     xp = np.random.default_rng(1).standard_normal((n, cfg.hidden_size)).astype(np.float32)
-    mp = measure(lambda: expert_ffn(xp, np.zeros((n, 1), np.int64), np.ones((n, 1), np.float32), banks[1], threads=T), repeats=5, warmup=1)
+    mp = measure(lambda: expert_ffn(xp, np.zeros((n, 1), np.int64), np.ones((n, 1), np.float32), banks[1], threads=T, streams=streams),
+                 repeats=5, warmup=1)
     flops = 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * n / mp.median
     P, L, K = args.prompt_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok
     t_bytes = (fp.full_pass_bytes + fp.dense_bytes_per_token) / (stream.median * 1e9)
@@ -119,7 +133,7 @@ def main(argv=None):
            "matmul_peak_gflops": peak / 1e9, "cpu_moe_prefill_gflops": flops / 1e9,
            "prefill_kernel_roofline_tok_s": kernel_roof, "prefill_kernel_ratio": prefill / kernel_roof,
            "stream_gbs": stream.median, "cpu_moe_kernel_gbs": kernel_gbs, "dense_gemv_gbs": dense_gbs,
-           "bytes_per_token_footprint": bytes_tok, "dense_bytes_runtime": dense_bytes_rt,
+           "bytes_per_token_footprint": bytes_tok, "dense_bytes_runtime": dense_bytes_rt, "cpu_moe_streams": streams,
            "prefill_bound": "flop" if t_flop > t_bytes else "bytes", "threads": T,
            "phases_per_token_s": {k: v / (args.max_tokens - 1) for k, v in runs[-1].phases.items() if not k.endswith("_us")},
            "outside_phases_per_layer_us": runs[-1].phases["outside_phases_per_layer_us"]}

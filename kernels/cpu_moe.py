@@ -43,6 +43,7 @@ SUPERBLOCK = superblock_bytes(MODE)                                      # the i
 CACHE = "DSV41_CPU_ISA" not in os.environ or ISA_CACHE
 ROWS_PER_CHUNK = 64          # rows per parallel work item (multiple of 4)
 ROW_STREAMS = (1, 4)         # DRAM streams a thread reads at once: rows in order, or 4 rows a quarter-chunk apart
+DEFAULT_STREAMS = 1          # where nothing was measured: rows in order won on 3 of the 4 hosts measured (kernels/lab/README.md)
 DENSE_MIN_TOKENS = 256       # tokens per expert from which dequantize + torch matmul may win (measured here: the
                              # GEMV kernel is still ahead at 256 without AMX; on AMX hosts re-measure)
 
@@ -390,7 +391,7 @@ def _combine(y, tok, kk, wts, out):
 
 
 def expert_ffn(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, bank: Fp4Bank, threads: int | None = None,
-               out: np.ndarray | None = None, streams: int = 4) -> np.ndarray:
+               out: np.ndarray | None = None, streams: int = DEFAULT_STREAMS) -> np.ndarray:
     """x [T, H] f32, ids [T, K] int64 (bank rows; duplicates allowed; -1 = none, skipped), wts [T, K] f32
     -> y [T, H] f32. streams: DRAM streams per thread (ROW_STREAMS; the same bits either way).
     With `out`, the result is added into it."""

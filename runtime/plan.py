@@ -29,7 +29,8 @@ class Plan:
     fetch_fraction: float = 0.5           # hybrid: share of each layer's misses gathered to the device
     slot_cache_experts: int = 0           # device slot cache size (experts, all layers together), LRU
     cpu_threads: int = 0                  # CPU-MoE threads; 0 = one per physical core
-    cpu_moe_streams: int = 4              # DRAM streams per CPU-MoE thread: 1 (rows in order) | 4 (four rows apart); exact
+    cpu_moe_streams: int = 1              # DRAM streams per CPU-MoE thread: 1 (rows in order) | 4 (four rows apart); exact.
+                                          # The default where the host was not measured (kernels/cpu_moe.py DEFAULT_STREAMS)
     host_expert_budget_gib: float | None = None   # routed experts kept in host RAM; None = all; the rest on NVMe
     expert_nvme_path: str = "nvme_direct"  # experts beyond the budget: O_DIRECT batched reads | nvme_mmap: page cache
     prefill_chunk: int = 512              # prompt tokens per prefill chunk

@@ -124,13 +124,14 @@ def test_the_row_layout_comes_from_the_hosts_measurement(epyc, v41):
     """cpu_moe_streams is a measured fact of the host (the profiler's interleaved layouts), not searched:
     every plan carries the faster layout; a profile without the probe keeps the kernel's default."""
     one = copy.deepcopy(epyc)
-    one["measurements"]["cpu_moe_streams"] = {"best": 1, "geometry": "5120x2304", "threads": 2, "gbs": {}}
+    other = 5 - Plan.cpu_moe_streams                                   # the layout that is not the default (1 <-> 4)
+    one["measurements"]["cpu_moe_streams"] = {"best": other, "geometry": "5120x2304", "threads": 2, "gbs": {}}
     _, res = search(one, v41, Workload(1024, 64), n_trials=40)
-    assert res and all(p.cpu_moe_streams == 1 for p, _ in res)
+    assert res and all(p.cpu_moe_streams == other for p, _ in res)
     epyc_plain = copy.deepcopy(epyc)
     epyc_plain["measurements"].pop("cpu_moe_streams", None)
     _, res = search(epyc_plain, v41, Workload(1024, 64), n_trials=20)
-    assert res and all(p.cpu_moe_streams == 4 for p, _ in res)
+    assert res and all(p.cpu_moe_streams == Plan.cpu_moe_streams for p, _ in res)
 
 
 def test_cpu_host_dense_term_is_the_runtime_path(epyc, v41):

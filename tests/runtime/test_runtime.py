@@ -158,8 +158,9 @@ def test_sparse_path_is_exercised(ck, ref, case):
 
 def test_threads_and_row_layout_do_not_change_bits(ck, case):
     prompt, _ = case
-    for one, other in ((Plan(cpu_threads=1), Plan(cpu_threads=2)), (Plan(cpu_threads=1), Plan(cpu_threads=2, cpu_moe_streams=1)),
-                       (Plan(dspark=True), Plan(dspark=True, cpu_moe_streams=1))):      # the drafter's experts too
+    for one, other in ((Plan(cpu_threads=1), Plan(cpu_threads=2)),
+                       (Plan(cpu_threads=1, cpu_moe_streams=1), Plan(cpu_threads=2, cpu_moe_streams=4)),
+                       (Plan(dspark=True, cpu_moe_streams=1), Plan(dspark=True, cpu_moe_streams=4))):      # the drafter's experts too
         a = Engine(ck, one).generate(prompt, 8, keep_logits=True)
         b = Engine(ck, other).generate(prompt, 8, keep_logits=True)
         assert a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)), other
