@@ -49,6 +49,7 @@ def _check(y, ref, rtol=RTOL):
     ("one-expert-bank", 1, 64, 32, 2, 1, False),
     ("superblocks-and-tails", 6, 1024, 576, 3, 2, False),       # rows of 2 superblocks; 1 + a 32-byte tail
     ("superblock-verify", 8, 640, 320, 7, 3, False),            # 1 superblock + a 64-byte vector; 7 = 4 + 3 inputs
+    ("superblock-wide", 3, 640, 320, 13, 2, False),             # 13 tokens on 3 experts: several blocks of inputs per row
 ])
 def test_expert_ffn_matches_reference(name, E, H, I, T, K, dup):
     bank, x, ids, w = _case(zlib.crc32(name.encode()), E, H, I, T, K, dup)
@@ -173,7 +174,7 @@ def test_every_isa_path_this_cpu_can_run(isa):
 def test_batch_invariant_a_token_alone_or_in_a_verify_batch():
     """DSpark's lossless greedy verify needs each token's output to be the same bits whether it is
     computed alone (plain decode) or in a batch sharing experts (the 4-token decode reuse)."""
-    bank, x, ids, w = _case(8, 6, 128, 64, 7, 3)
+    bank, x, ids, w = _case(8, 6, 640, 64, 11, 3)            # 11 = 4 + 4 + 3 inputs sharing row decodes; a superblock
     ids[:, 0] = 2                                            # every token shares expert 2
     batch = expert_ffn(x, ids, w, bank)
     for t in range(len(x)):
