@@ -13,70 +13,21 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels.fp4_simd import E2M1, PREFETCH, _data_ptrs, _literal
-
-OFFSET = 12                                           # 2 x E2M1 in [-12, 12] -> + 12 in [0, 24]
-LUT16 = [int(2 * v) + OFFSET for v in E2M1]
-STEP = {1: 32, 2: 64, 3: 64}
-
-i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+from kernels import fp4_i8
+from kernels.fp4_i8 import STEP, _fn, i8, i32, i64, f32
+from kernels.fp4_simd import PREFETCH, _data_ptrs, _literal
 
 
-def _vec(t, n):
-    return ir.VectorType(t, n)
-
-
-def _fn(builder, name, ret, args):
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
-
-
-class _Step:
-    """Emits one step of `nb` code bytes (16, 32 or 64) for one row and T inputs."""
-
-    def __init__(self, builder, nb, vnni):
-        self.b, self.nb, self.n = builder, nb, nb // 4
-        self.vb, self.vw, self.vi, self.vf = _vec(i8, nb), _vec(i16, nb // 2), _vec(i32, nb // 4), _vec(f32, nb // 4)
-        self.vnni = vnni and nb == 64
-        suffix = {16: ("ssse3.pshuf.b.128", "ssse3.pmadd.ub.sw.128", "sse2.pmadd.wd"),
-                  32: ("avx2.pshuf.b", "avx2.pmadd.ub.sw", "avx2.pmadd.wd"),
-                  64: ("avx512.pshuf.b.512", "avx512.pmaddubs.w.512", "avx512.pmaddw.d.512")}[nb]
-        self.shuf = _fn(builder, "llvm.x86." + suffix[0], self.vb, [self.vb, self.vb])
-        self.maddubs = _fn(builder, "llvm.x86." + suffix[1], self.vw, [self.vb, self.vb])
-        self.maddwd = _fn(builder, "llvm.x86." + suffix[2], self.vi, [self.vw, self.vw])
-        if self.vnni:
-            self.dpbusd = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", self.vi, [self.vi, self.vi, self.vi])
-        self.fma = _fn(builder, f"llvm.fma.v{self.n}f32", self.vf, [self.vf, self.vf, self.vf])
-        self.lut = ir.Constant(self.vb, LUT16 * (nb // 16))
-        self.ones = ir.Constant(self.vw, [1] * (nb // 2))
-        self.rep = ir.Constant(_vec(i32, self.n), [k // 4 for k in range(self.n)])   # scale byte g -> lanes 4g..4g+3
-
-    def load(self, base, off, t, align=1):
-        return self.b.load(self.b.bitcast(self.b.gep(base, [off]), t.as_pointer()), align=align)
+class _Step(fp4_i8._Step):
+    """The package's vector step, one accumulator lane per 4 code bytes."""
 
     def weights(self, cbase, c_at, sbase, s_at):
         """-> (low-nibble bytes, high-nibble bytes, weight scale per lane as float)."""
-        b = self.b
-        c = self.load(cbase, c_at, self.vb)
-        m = ir.Constant(self.vb, [15] * self.nb)
-        lo = b.call(self.shuf, [self.lut, b.and_(c, m)])
-        hi = b.call(self.shuf, [self.lut, b.and_(b.lshr(c, ir.Constant(self.vb, [4] * self.nb)), m)])
-        g = self.nb // 16
-        sb = b.zext(self.load(sbase, s_at, _vec(i8, g)), _vec(i32, g))
-        s = b.shuffle_vector(sb, ir.Constant(_vec(i32, g), ir.Undefined), self.rep)
-        bits = b.shl(s, ir.Constant(self.vi, [23] * self.n))
-        nan = b.icmp_unsigned("==", s, ir.Constant(self.vi, [255] * self.n))
-        bits = b.select(nan, ir.Constant(self.vi, [0x7FC00000] * self.n), bits)
-        return lo, hi, b.bitcast(bits, self.vf)
+        lo, hi = self.decode(self.load(cbase, c_at, self.vb))
+        return lo, hi, self.scale(sbase, s_at, [L // 4 for L in range(self.n)])
 
     def dot(self, lo, hi, qe, qo):
-        """-> <n x i32>: per lane, sum of (2 E2M1 + 12) x q over its 4 code bytes (8 weights)."""
-        b = self.b
-        if self.vnni:
-            z = ir.Constant(self.vi, [0] * self.n)
-            acc = b.call(self.dpbusd, [z, b.bitcast(lo, self.vi), b.bitcast(qe, self.vi)])
-            return b.call(self.dpbusd, [acc, b.bitcast(hi, self.vi), b.bitcast(qo, self.vi)])
-        p = b.add(b.call(self.maddubs, [lo, qe]), b.call(self.maddubs, [hi, qo]))   # |.| <= 2*2*24*127 < 2^15
-        return b.call(self.maddwd, [p, self.ones])
+        return super().dot(ir.Constant(self.vi, [0] * self.n), [(lo, hi)], [(qe, qo)])
 
 
 @intrinsic

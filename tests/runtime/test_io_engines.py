@@ -40,16 +40,21 @@ def _requests(files, seed):
 OPEN = {"uring": UringContext.open, "aio": AioContext.open}
 
 
-@pytest.mark.parametrize("engine", ["uring", "aio", "threads", "auto"])
-@pytest.mark.parametrize("depth", [1, 8, 64])
-def test_every_engine_reads_the_right_bytes(files, engine, depth):
+def _skip_unless_available(engine, path):
+    """Skip (saying why) where this host has no O_DIRECT or the kernel refuses the asynchronous engine."""
     if engine in OPEN:
-        if o_direct_refusal(files[0]):
-            pytest.skip(f"no O_DIRECT here: {o_direct_refusal(files[0])}")
+        if o_direct_refusal(path):
+            pytest.skip(f"no O_DIRECT here: {o_direct_refusal(path)}")
         ctx, why = OPEN[engine](1)
         if ctx is None:
             pytest.skip(f"the kernel refuses {engine} here: {why}")
         ctx.close()
+
+
+@pytest.mark.parametrize("engine", ["uring", "aio", "threads", "auto"])
+@pytest.mark.parametrize("depth", [1, 8, 64])
+def test_every_engine_reads_the_right_bytes(files, engine, depth):
+    _skip_unless_available(engine, files[0])
     data = {str(p): p.read_bytes() for p in files}
     r = BatchedReader(depth=depth, engine=engine)
     reqs = _requests(files, depth)
@@ -105,13 +110,7 @@ def test_an_engine_that_fails_mid_read_hands_over_to_threads(files, monkeypatch)
 def test_block_reads_and_the_probes_discarding_reads(files, engine):
     """read_blocks puts block k of the list at k * BLOCK; a discarding read (the IOPS probe's) reads the
     same blocks into a ring of 2 x depth blocks, counts them, returns nothing, and takes whole blocks only."""
-    if engine in OPEN:
-        if o_direct_refusal(files[0]):
-            pytest.skip(f"no O_DIRECT here: {o_direct_refusal(files[0])}")
-        ctx, why = OPEN[engine](1)
-        if ctx is None:
-            pytest.skip(f"the kernel refuses {engine} here: {why}")
-        ctx.close()
+    _skip_unless_available(engine, files[0])
     B = io_reader.BLOCK
     data = files[0].read_bytes()
     blocks = np.random.default_rng(5).integers(0, len(data) // B, 500)
