@@ -2,8 +2,9 @@
 
 Weights are read in place in ds_fp4 (no full-precision copy of an expert); each expert input is
 quantized per 32-block to int8 (kernels/formats.py `quantize_act`: the arithmetic of every expert path)
-and the SIMD paths sum weight x input in integers (kernels/fp4_i8.py; the scalar path does the same in
-plain loops). Shapes
+and the SIMD paths sum weight x input in integers, a whole 32-weight block per integer lane
+(kernels/fp4_i8.py); the scalar path sums the same integers in plain loops, 4 code bytes at a time, so
+its float rounding differs from the SIMD paths' (each path is the same bits for every plan). Shapes
 that matter: decode (1 token x top-6 experts), DSpark verification (2-6 tokens whose experts overlap),
 small batches; prefill widths go through `expert_ffn_dense` (dequantize a tile, torch matmul) when
 that is faster (the crossover is measured in benchmarks/cpu_moe.py and kept in DENSE_MIN_TOKENS).

@@ -131,7 +131,7 @@ class BatchedReader:
         per block (the probes' random 4 KiB reads, Engram prefill rows). reuse, latencies: as in `read`.
         discard (probes): the data is not kept, every read lands in a ring of 2 x depth blocks (as fio's
         buffers, and as a decode step's rows land in an arena the cache holds; 20 000 reads into 80 MB
-        of fresh destinations measured 10-15% fewer IOPS at depth 32-64 here) -> None."""
+        of fresh destinations measured 10-15% fewer IOPS at depth 32-64 on a Zen 4 VM) -> None."""
         if not len(blocks):
             return None if discard else np.empty(0, np.uint8)
         n, fd = len(blocks), self._fd(path)
