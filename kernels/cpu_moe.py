@@ -30,7 +30,7 @@ from numba.extending import overload
 from hostinfo import isa
 from kernels import ISA_CACHE
 from kernels.formats import dequantize_mxfp4, quantize_act
-from kernels.fp4_i8 import LUT16, OFFSET, act_slot, fp4_i8_dot, superblock_bytes
+from kernels.fp4_i8 import LUT16, OFFSET, fp4_i8_dot, superblock_bytes
 from kernels.fp4_simd import E2M1, fp4_dequant
 from kernels.threads import set_threads
 

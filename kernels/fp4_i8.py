@@ -18,8 +18,8 @@ vector) and one scale vector.
 The rest of a row (its length modulo a superblock) goes in vector steps, then 16-byte SSE steps, with
 one accumulator lane per 4 code bytes (the layout below, "lanes").
 
-Per input a (one expert assignment) the caller prepares (`prepare` in kernels/cpu_moe.py, which owns the
-layout through `act_slot`):
+Per input a (one expert assignment) the caller prepares (`_prepare` in kernels/cpu_moe.py, laid out as
+`act_slot` defines):
   xq [a*K : a*K + K]   int8 q: the K/2 even inputs q[2p], then the K/2 odd ones q[2p+1], each half in
                        the order the kernel reads code bytes p (code byte p holds weight 2p in its low
                        nibble, 2p+1 in its high nibble): transposed within superblocks, in order after
@@ -43,7 +43,7 @@ mode 1: AVX2 (32-byte vectors), 2: AVX-512BW (64-byte), 3: AVX-512 VNNI (64-byte
 from __future__ import annotations
 
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -62,10 +62,10 @@ def superblock_bytes(mode: int) -> int:
     return SUPER * STEP[mode] if mode else 0
 
 
-@njit(nogil=True, cache=True)
 def act_slot(p, half, sbb):
     """Code byte p of a row of `half` code bytes, superblocks of `sbb` bytes -> (where its inputs sit in
-    each half of xq, its xc / xr entry). In a superblock the kernel's vector k, lane (b, m) (128-bit
+    each half of xq, its xc / xr entry): the layout's definition (`_prepare` in kernels/cpu_moe.py walks
+    it block by block; tests hold the two together). In a superblock the kernel's vector k, lane (b, m) (128-bit
     lane b, word m) holds bytes 4k..4k+3 of block m * nl + b (nl = 128-bit lanes per vector)."""
     p0 = (half // sbb) * sbb if sbb else 0
     if p >= p0:                                       # in order, one entry per 4 code bytes
