@@ -89,9 +89,10 @@ def attend_decode(q, pos, k_new, v_new, rings: list, window: int, sel=None):
     (roped keys [S, k, C], values [S, k, C], ok [S, k], padding False). -> [S, Hq, C]."""
     C = q.shape[-1]
     scale = 1.0 / math.sqrt(C)
-    rk = torch.stack([r.data[0] for r in rings])                                      # [S, R, C]
-    rv = torch.stack([r.data[1] for r in rings])
-    rp = torch.stack([r.pos for r in rings])                                          # [S, R]
+    stack = (lambda ts: ts[0][None]) if len(rings) == 1 else torch.stack                # one sequence: a view
+    rk = stack([r.data[0] for r in rings])                                            # [S, R, C]
+    rv = stack([r.data[1] for r in rings])
+    rp = stack([r.pos for r in rings])                                                # [S, R]
     rp = torch.where((rp >= 0) & (rp < pos[:, None]), rp, NEVER)                      # stale slots (rollback) hidden
     K, V = torch.cat([rk, k_new[:, None]], 1), torch.cat([rv, v_new[:, None]], 1)   # [S, N, C]
     kpos = torch.cat([rp, pos[:, None]], 1)                                           # [S, N]

@@ -50,11 +50,17 @@ def _inv_freq(d: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(d, dtype=torch.float64) / d))
 
 
-def rope(x, pos, theta):
-    """Rotate-half RoPE over the last dim of x [..., T, (heads,) D] at integer positions pos [T]."""
-    d = x.shape[-1] // 2
+def rope_tables(pos, d: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [T, d] of integer positions pos [T] (computed in float64, then cast)."""
     ang = pos.to(torch.float64)[:, None] * _inv_freq(d, theta)[None]       # [T, d]
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def rope(x, pos, theta, tables=None):
+    """Rotate-half RoPE over the last dim of x [..., T, (heads,) D] at integer positions pos [T];
+    `tables`: rope_tables(pos, D/2, theta, x.dtype) when the caller already holds them."""
+    d = x.shape[-1] // 2
+    cos, sin = tables if tables is not None else rope_tables(pos, d, theta, x.dtype)
     if x.dim() == 3:                                                       # [T, heads, D]
         cos, sin = cos[:, None], sin[:, None]
     x1, x2 = x[..., :d], x[..., d:]
@@ -137,10 +143,12 @@ class Model:
             self.engram.prefetch(rows)     # every read issued now: they overlap the layers before each Engram layer
         enc = c.num_encoder_layers
         sel: list = [{} for _ in segs]
+        fw = {"rope": rope_tables(pos, c.kv_lora_rank // 2, c.rope_theta, self.dtype)}   # what this forward's layers share
         for i in range(c.num_hidden_layers):
             if i == enc:                   # decoder global state from the encoder's final hidden states
                 for sg in segs:
                     self._decoder_sources(sg.st, h[sg.a:sg.b], pos[sg.a:sg.b])
+                fw.pop("rows", None)       # the sources changed
                 if decoder_start:
                     keep = (pos >= decoder_start).nonzero().flatten()
                     if len(keep) == 0:
@@ -150,7 +158,8 @@ class Model:
                     rows = {l: r[keep.cpu().numpy()] for l, r in rows.items()}
                     sel[0] = {x: (idx[keep], ok[keep]) for x, (idx, ok) in sel[0].items()}
                     segs[0].a, segs[0].b = 0, len(keep)
-            h = self._layer(segs, i, h, pos, tok, rows, sel)
+                    fw["rope"] = rope_tables(pos, c.kv_lora_rank // 2, c.rope_theta, self.dtype)
+            h = self._layer(segs, i, h, pos, tok, rows, sel, fw)
             if i in c.dspark_target_layer_ids:
                 for sg in segs:
                     sg.st.target_hidden[i] = h[sg.a:sg.b]
@@ -162,19 +171,22 @@ class Model:
         self.phases.add("dense", t0)
         return [logits[sg.a:sg.b] for sg in segs]
 
-    def _layer(self, segs, i, h, pos, tok, rows, sel):
+    def _layer(self, segs, i, h, pos, tok, rows, sel, fw):
+        """fw: what the forward's layers share: its positions' RoPE tables, and the last decode batch's
+        selected rows (keyed by kv source and index source: reuse layers read the same rows)."""
         c, w = self.cfg, self.w
         if i in c.engram_layer_ids:
             h = self._engram(i, h, rows[i])               # its wait is `engram_wait`, its linears `dense`
         t0 = time.perf_counter()
         a = rmsnorm(h, w[f"layers.{i}.attn_norm.weight"], c.rms_norm_eps)
         ql = self.L(f"layers.{i}.attn.wq_a", a)
-        q = rope(self.L(f"layers.{i}.attn.wq_b", ql).view(len(h), c.num_attention_heads, c.kv_lora_rank), pos, c.rope_theta)
+        q = rope(self.L(f"layers.{i}.attn.wq_b", ql).view(len(h), c.num_attention_heads, c.kv_lora_rank), pos, c.rope_theta, fw["rope"])
         cw = rmsnorm(self.L(f"layers.{i}.attn.wkv", a), w[f"layers.{i}.attn.kv_norm.weight"], c.rms_norm_eps)
-        k_new = rope(cw, pos, c.rope_theta)                                  # [T, C] window keys, values cw
+        k_new = rope(cw, pos, c.rope_theta, fw["rope"])                      # [T, C] window keys, values cw
         if i in c.kv_source_layers and i < c.num_encoder_layers:
             for sg in segs:
                 self._write_source(sg.st, i, a[sg.a:sg.b], pos[sg.a:sg.b])
+            fw.pop("rows", None)                                             # the source changed
         t_att = time.perf_counter()            # attention: the indexer, the selected rows, the window
         glob_layer = c.layer_mode(i) != "window"
         if glob_layer:
@@ -187,10 +199,15 @@ class Model:
         # whatever else shares the step; longer ones (prompt chunks, verify blocks) per sequence
         ones = [j for j, sg in enumerate(segs) if sg.b - sg.a == 1]
         out = torch.empty_like(q)
-        if ones:
-            at = torch.tensor([segs[j].a for j in ones], device=self.device)
-            rows = self._selected_rows_batch([segs[j].st.sources[c.kv_source_of(i)] for j in ones],
-                                             [sel[j][x] for j in ones]) if glob_layer else None
+        if ones:                           # all of the step (decode): rows 0..S-1 in order, a slice
+            at = slice(0, len(ones)) if len(ones) == len(h) else torch.tensor([segs[j].a for j in ones], device=self.device)
+            rows = None
+            if glob_layer:
+                key = (c.kv_source_of(i), x)
+                if fw.get("rows", (None,))[0] != key:
+                    fw.pop("rows", None)   # one set alive at a time
+                    fw["rows"] = key, self._selected_rows_batch([segs[j].st.sources[key[0]] for j in ones], [sel[j][x] for j in ones])
+                rows = fw["rows"][1]
             out[at] = attend_decode(q[at], pos[at], k_new[at], cw[at], [segs[j].st.windows[i] for j in ones], c.window_size, rows)
         for sg, s_sel in zip(segs, sel):
             if sg.b - sg.a > 1:

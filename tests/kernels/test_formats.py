@@ -1,3 +1,5 @@
+import itertools
+
 import pytest
 import torch
 
@@ -104,6 +106,25 @@ def test_the_fp4_kv_format_round_trips_its_grid_and_bounds_the_error():
         quantize_fp4_e4m3(torch.ones(2, 24))
     with pytest.raises(ValueError, match="non-finite"):
         quantize_fp4_e4m3(torch.full((1, 16), float("nan")))
+
+
+def test_the_fp4_kv_dequantizer_is_code_by_code_times_its_group_scale():
+    """Byte pairs looked up at once give the values of decoding each code alone (NaN scales too)."""
+    from kernels.formats import E2M1_VALUES, dequantize_fp4_e4m3
+    g = torch.Generator().manual_seed(11)
+    c = torch.randint(0, 256, (2, 5, 24), dtype=torch.uint8, generator=g)           # [..., K/2], K = 48
+    s = torch.randint(0, 256, (2, 5, 3), dtype=torch.uint8, generator=g)            # every E4M3 bit pattern, NaN too
+    s[0, 0, 0] = 0x7F                                                               # a NaN scale
+    for dtype in (torch.float32, torch.float64):
+        want = torch.empty(2, 5, 48, dtype=dtype)
+        sc = s.view(torch.float8_e4m3fn).to(dtype)
+        for idx in itertools.product(range(2), range(5), range(48)):
+            b = int(c[idx[0], idx[1], idx[2] // 2])
+            want[idx] = E2M1_VALUES.to(dtype)[b >> 4 if idx[2] % 2 else b & 0xF] * sc[idx[0], idx[1], idx[2] // 16]
+        got = dequantize_fp4_e4m3(c, s, dtype)
+        assert got.dtype == dtype and torch.equal(got.isnan(), want.isnan()) and torch.isnan(got[0, 0, :16]).all()
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+        assert torch.equal(dequantize_fp4_e4m3(c[1, 2], s[1, 2], dtype), want[1, 2])  # one row, no leading dims
 
 
 def test_the_index_key_format_is_e4m3_with_a_row_scale():

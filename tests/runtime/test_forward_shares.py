@@ -1,0 +1,65 @@
+"""What one forward's layers share (runtime/model/transformer.py): RoPE over the forward's positions,
+and a decode batch's selected rows, once per (kv source, index source) and never stale."""
+import math
+
+import pytest
+import torch
+
+from runtime.checkpoint.reader import Checkpoint
+from runtime.engine import Engine
+from runtime.model import transformer
+from runtime.plan import Plan
+
+
+@pytest.fixture(scope="module")
+def ck(tiny_dir):
+    return Checkpoint(tiny_dir)
+
+
+@pytest.mark.parametrize("shape", [(5, 16), (5, 3, 16)])
+def test_rope_rotates_each_pair_by_its_angle(shape):
+    """Against the rotation written out per element in float64 (math.cos / math.sin). Tolerance: the two
+    compute the angle in different orders, ~1 ulp of it: 2^-52 x 65535 ~ 1.5e-11 at the last position."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(*shape, dtype=torch.float64, generator=g)
+    pos = torch.tensor([0, 1, 7, 300, 65535])
+    theta, d = 10000.0, shape[-1] // 2
+    want = torch.empty_like(x)
+    for t, p in enumerate(pos.tolist()):
+        for j in range(d):
+            a = p / theta ** (j / d)
+            x1, x2 = x[t, ..., j], x[t, ..., d + j]
+            want[t, ..., j], want[t, ..., d + j] = x1 * math.cos(a) - x2 * math.sin(a), x2 * math.cos(a) + x1 * math.sin(a)
+    got = transformer.rope(x, pos, theta)
+    assert (got - want).abs().max() < 5e-11
+    assert torch.equal(transformer.rope(x, pos, theta, transformer.rope_tables(pos, d, theta, x.dtype)), got)
+
+
+def _decode(ck, prompt, n, monkeypatch, fresh_rows: bool):
+    """n greedy tokens; -> (logits, selected-row batches built per decode forward)."""
+    calls = []
+    build = transformer.Model._selected_rows_batch
+    monkeypatch.setattr(transformer.Model, "_selected_rows_batch", lambda self, *a: calls.append(1) or build(self, *a))
+    if fresh_rows:                                     # every layer builds its own rows, as before sharing
+        layer = transformer.Model._layer
+        monkeypatch.setattr(transformer.Model, "_layer", lambda self, *a: (a[-1].pop("rows", None), layer(self, *a))[1])
+    e = Engine(ck, Plan(moe_strategy="cpu", prefill_chunk=len(prompt)))
+    try:
+        out = e.generate(prompt, n, keep_logits=True)
+    finally:
+        e.close()
+        monkeypatch.undo()
+    return out, len(calls) / (n - 1)
+
+
+def test_reuse_layers_share_the_selected_rows_bit_for_bit(ck, monkeypatch):
+    c = ck.config
+    prompt = [(7 * k) % (c.vocab_size - 1) + 1 for k in range(40)]
+    assert (len(prompt) + 1 - c.window_size) // min(c.compress_ratios[s] for s in c.kv_source_layers) > 0   # rows visible
+    glob = [i for i in range(c.num_hidden_layers) if c.layer_mode(i) != "window"]
+    pairs = {(c.kv_source_of(i), c.index_source_of(i)) for i in glob}
+    assert len(pairs) < len(glob)                      # the checkpoint has layers that can share
+    shared, per_forward = _decode(ck, prompt, 6, monkeypatch, fresh_rows=False)
+    alone, per_forward_alone = _decode(ck, prompt, 6, monkeypatch, fresh_rows=True)
+    assert per_forward == len(pairs) and per_forward_alone == len(glob)
+    assert shared.tokens == alone.tokens and all(torch.equal(a, b) for a, b in zip(shared.logits, alone.logits))
