@@ -1,6 +1,6 @@
 """Decode and prefill on the mini checkpoint beside their rooflines, measured in the same run.
 
-  python benchmarks/decode_roofline.py [--checkpoint out/mini] [--prompt-tokens 256] [--max-tokens 24] [--json]
+  python benchmarks/decode_roofline.py [--checkpoint out/mini] [--prompt-tokens 256] [--max-tokens 24] [--rounds 3] [--json]
 
 decode: plan `cpu`, all threads, the CPU-MoE row layout the tuner would pick here (both timed on the
 checkpoint's bank; `--streams` forces one), warm. Rooflines:
@@ -11,6 +11,9 @@ checkpoint's bank; `--streams` forces one), warm. Rooflines:
                     expert through the same kernel, the dense linears through the runtime's own
                     kernels (the FP8 kernel over the weights as stored; torch for the float32 head)
   decode_kernel_ratio = measured / kernel-bound: what the runtime adds on top of its kernels
+  Each of --rounds rounds runs the engine, then measures its limits (the stream, the kernels), so a
+  round's ratios divide by limits taken beside it (this host's bandwidth drifts between minutes); the
+  medians are printed with their spread, every round kept in the JSON.
 prefill: one chunk over the prompt; roofline = P / max(full-pass bytes / stream, P x FLOP per token /
 the host's peak matmul FLOP/s), the peak measured in this run (the better of torch's float32 and bf16
 2048^3 matmuls: the host's, not the project's kernel); FLOP per token = routed and shared experts (2 x 3 H I (K + shared) L)
@@ -62,6 +65,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=usable_cores())
     ap.add_argument("--streams", default="measured", choices=["measured", "1", "4"],
                     help="the CPU-MoE row layout (Plan.cpu_moe_streams); measured: the faster here, as the tuner picks it")
+    ap.add_argument("--rounds", type=int, default=3, help="engine runs, each followed by its limits (stream, kernels)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if not (Path(args.checkpoint) / "model.safetensors.index.json").exists():
@@ -85,11 +89,7 @@ def main(argv=None):
         plan = plan.replace(cpu_moe_streams=streams)
         engine = Engine(ck, plan)
     engine.generate(prompt, 4)                                   # warm: compile, page in
-    stream = dram_stream_read(T)
-    runs = [engine.generate(prompt, args.max_tokens) for _ in range(3)]
-    decode = float(np.median([r.decode_tok_s for r in runs]))
-    prefill = float(np.median([r.prefill_tok_s for r in runs]))
-    # --- standalone kernels, same run
+    # --- standalone kernels, interleaved with the engine's runs: round i's ratios divide by round i's limits
     bank = engine.experts.host[0]
     step = {"i": 0}
     x = np.random.default_rng(0).standard_normal((1, cfg.hidden_size)).astype(np.float32)
@@ -100,19 +100,33 @@ def main(argv=None):
         step["i"] += 1
         expert_ffn(x, ids, np.ones_like(ids, dtype=np.float32), bank, threads=T, streams=streams)
     banks = engine.experts.host                                  # rotate layers so experts are fresh
-    m = measure(moe_step, repeats=12, warmup=2)
-    kernel_gbs = cfg.num_experts_per_tok * fp.expert_bytes / m.median / 1e9
     dense = [w for n, w in engine.model.w.items()                # what a decoded token multiplies (not the drafter)
              if len(w.shape) == 2 and n != "embed.weight" and not n.startswith("mtp.") and ".tid2eid" not in n]
     dense_bytes_rt = sum(w.nbytes if isinstance(w, Fp8Weight) else w.numel() * w.element_size() for w in dense)
     xs = [torch.randn(1, w.shape[1]) for w in dense]
-    md = measure(lambda: [fp8_linear(xx, w) if isinstance(w, Fp8Weight) else xx @ w.T for xx, w in zip(xs, dense)],
-                 repeats=10, warmup=2)
-    dense_gbs = dense_bytes_rt / md.median / 1e9
     routed_b, shared_b = fp.routed_bytes_per_decode_token, fp.bytes_by_class["shared_expert"]
-    t_kernel = routed_b / (kernel_gbs * 1e9) + shared_b / (kernel_gbs * 1e9) + dense_bytes_rt / (dense_gbs * 1e9)
     bytes_tok = fp.routed_bytes_per_decode_token + fp.dense_bytes_per_token
-    roof = stream.median * 1e9 / bytes_tok
+    rounds = []
+    for _ in range(args.rounds):
+        r = engine.generate(prompt, args.max_tokens)
+        stream = dram_stream_read(T, repeats=3)
+        m = measure(moe_step, repeats=12, warmup=2)
+        md = measure(lambda: [fp8_linear(xx, w) if isinstance(w, Fp8Weight) else xx @ w.T for xx, w in zip(xs, dense)],
+                     repeats=10, warmup=2)
+        kernel_gbs = cfg.num_experts_per_tok * fp.expert_bytes / m.median / 1e9
+        dense_gbs = dense_bytes_rt / md.median / 1e9
+        t_kernel = routed_b / (kernel_gbs * 1e9) + shared_b / (kernel_gbs * 1e9) + dense_bytes_rt / (dense_gbs * 1e9)
+        roof = stream.median * 1e9 / bytes_tok
+        rounds.append({"decode_tok_s": r.decode_tok_s, "prefill_tok_s": r.prefill_tok_s, "stream_gbs": stream.median,
+                       "cpu_moe_kernel_gbs": kernel_gbs, "dense_gemv_gbs": dense_gbs, "decode_roofline_tok_s": roof,
+                       "decode_kernel_bound_tok_s": 1 / t_kernel, "decode_ratio": r.decode_tok_s / roof,
+                       "decode_kernel_ratio": r.decode_tok_s * t_kernel, "phases": r.phases})
+    med = lambda k: float(np.median([rd[k] for rd in rounds]))   # noqa: E731
+    decode, prefill, roof, kernel_gbs, dense_gbs = (med(k) for k in ("decode_tok_s", "prefill_tok_s", "decode_roofline_tok_s",
+                                                                    "cpu_moe_kernel_gbs", "dense_gemv_gbs"))
+    stream_gbs = med("stream_gbs")
+    t_kernel = 1 / med("decode_kernel_bound_tok_s")
+    last = rounds[-1]["phases"]
     # prefill roofline: one pass over every expert (all touched at this width), FLOP at the kernel's width rate
     n = max(1, args.prompt_tokens * cfg.num_experts_per_tok // cfg.n_routed_experts)
     xp = np.random.default_rng(1).standard_normal((n, cfg.hidden_size)).astype(np.float32)
@@ -120,25 +134,28 @@ def main(argv=None):
                  repeats=5, warmup=1)
     flops = 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * n / mp.median
     P, L, K = args.prompt_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok
-    t_bytes = (fp.full_pass_bytes + fp.dense_bytes_per_token) / (stream.median * 1e9)
+    t_bytes = (fp.full_pass_bytes + fp.dense_bytes_per_token) / (stream_gbs * 1e9)
     routed_flop = 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * (K + cfg.n_shared_experts) * L   # routed + shared experts
     dense_flop = 2 * sum(w.q.size if isinstance(w, Fp8Weight) else w.numel() for w in dense)
     peak = matmul_peak_flops(T)
     t_flop = P * (routed_flop + dense_flop) / peak
     prefill_roof = P / max(t_bytes, t_flop)
     kernel_roof = P / max(t_bytes, P * routed_flop / flops + P * dense_flop / peak)
-    out = {"decode_tok_s": decode, "decode_roofline_tok_s": roof, "decode_ratio": decode / roof,
-           "decode_kernel_bound_tok_s": 1 / t_kernel, "decode_kernel_ratio": decode * t_kernel,
+    out = {"decode_tok_s": decode, "decode_roofline_tok_s": roof, "decode_ratio": med("decode_ratio"),
+           "decode_kernel_bound_tok_s": 1 / t_kernel, "decode_kernel_ratio": med("decode_kernel_ratio"),
            "prefill_tok_s": prefill, "prefill_roofline_tok_s": prefill_roof, "prefill_ratio": prefill / prefill_roof,
            "matmul_peak_gflops": peak / 1e9, "cpu_moe_prefill_gflops": flops / 1e9,
            "prefill_kernel_roofline_tok_s": kernel_roof, "prefill_kernel_ratio": prefill / kernel_roof,
-           "stream_gbs": stream.median, "cpu_moe_kernel_gbs": kernel_gbs, "dense_gemv_gbs": dense_gbs,
+           "stream_gbs": stream_gbs, "cpu_moe_kernel_gbs": kernel_gbs, "dense_gemv_gbs": dense_gbs,
            "bytes_per_token_footprint": bytes_tok, "dense_bytes_runtime": dense_bytes_rt, "cpu_moe_streams": streams,
            "prefill_bound": "flop" if t_flop > t_bytes else "bytes", "threads": T,
-           "phases_per_token_s": {k: v / (args.max_tokens - 1) for k, v in runs[-1].phases.items() if not k.endswith("_us")},
-           "outside_phases_per_layer_us": runs[-1].phases["outside_phases_per_layer_us"]}
-    print(f"decode  {decode:6.2f} tok/s | roofline {roof:6.2f} (stream {stream.median:.1f} GB/s / {bytes_tok / 1e9:.3f} GB) "
-          f"ratio {out['decode_ratio']:.2f} | kernel-bound {1 / t_kernel:6.2f} ratio {out['decode_kernel_ratio']:.2f}")
+           "phases_per_token_s": {k: v / (args.max_tokens - 1) for k, v in last.items() if not k.endswith("_us")},
+           "outside_phases_per_layer_us": last["outside_phases_per_layer_us"],
+           "rounds": [{k: v for k, v in rd.items() if k != "phases"} for rd in rounds]}
+    spread = lambda k: f"{min(rd[k] for rd in rounds):.2f}-{max(rd[k] for rd in rounds):.2f}"   # noqa: E731
+    print(f"decode  {decode:6.2f} tok/s | roofline {roof:6.2f} (stream {stream_gbs:.1f} GB/s / {bytes_tok / 1e9:.3f} GB) "
+          f"ratio {out['decode_ratio']:.2f} ({spread('decode_ratio')}) | kernel-bound {1 / t_kernel:6.2f} "
+          f"ratio {out['decode_kernel_ratio']:.2f} ({spread('decode_kernel_ratio')}) | medians of {len(rounds)} interleaved rounds")
     print(f"prefill {prefill:6.1f} tok/s | roofline {prefill_roof:6.1f} ({out['prefill_bound']}-bound, peak matmul {peak / 1e9:.0f} "
           f"GFLOP/s) ratio {out['prefill_ratio']:.2f} | at the CPU-MoE kernel's {flops / 1e9:.0f} GFLOP/s: {kernel_roof:6.1f}, "
           f"ratio {out['prefill_kernel_ratio']:.2f}")
