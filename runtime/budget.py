@@ -127,10 +127,20 @@ def kv_states_bytes(plan: Plan, fp: Footprint) -> int:
     return plan.max_num_seqs * kv_state_bytes(fp, plan.max_context, spare(plan))
 
 
+def forward_shared_bytes(plan: Plan, fp: Footprint, itemsize: int = 4) -> int:
+    """What one forward's layers share (runtime/model/transformer.py `fw`): the RoPE tables of its
+    positions [T, C/2] x 2 and a decode batch's selected rows (keys and values [S, k, C], ok [S, k])."""
+    S, C, k = plan.max_num_seqs, fp.kv_lora_rank, fp.index_topk
+    return step_tokens(plan) * C * itemsize + S * k * (2 * C * itemsize + 1)
+
+
 def _forward_terms(plan: Plan, fp: Footprint) -> dict:
     """The largest forward's temporaries (T = the prefill chunk, or a DSpark verify pass), by kind:
-    residual  the residual stream, its norms and projections (8 [T, max(H, Hq C)] floats) and the
-              Engram rows prefetched for every layer (float32)
+    residual  the residual stream, its norms and projections (8 [T, max(H, Hq C)] floats), the
+              Engram rows prefetched for every layer (float32), and what the forward's layers share
+              (runtime/model/transformer.py): the RoPE tables [T, C] (cos and sin, C/2 each) and a
+              decode batch's selected rows [S, k, C] x 2 (keys, values), held through the MoE of
+              the layers that reuse them
     attention the indexer peak + the block scratch (or the batched decode pass's, the larger) + one fp8
               tile of the widest linear and its output
     moe       the MoE kernel's scratch
@@ -141,7 +151,7 @@ def _forward_terms(plan: Plan, fp: Footprint) -> dict:
     width = max(fp.hidden_size, fp.num_attention_heads * fp.kv_lora_rank, fp.q_lora_rank)
     engram_reads = (T * fp.engram_bytes_per_token // fp.engram_row_bytes * IO_BLOCK
                     if plan.engram_placement == "nvme_direct" and fp.engram_row_bytes else 0)
-    return {"residual": 8 * T * width * 4 + T * fp.engram_floats_per_token * 4,
+    return {"residual": 8 * T * width * 4 + T * fp.engram_floats_per_token * 4 + forward_shared_bytes(plan, fp),
             "attention": indexer_bound_bytes(plan, fp) + max(attention_scratch_bytes(plan, fp), decode_scratch_bytes(plan, fp))
             + (FP8_TILE_ROWS * width + T * FP8_TILE_ROWS) * 4,
             "moe": moe_scratch_bytes(fp, T), "logits": T * fp.vocab_size * 4,

@@ -201,14 +201,14 @@ class Model:
         out = torch.empty_like(q)
         if ones:                           # all of the step (decode): rows 0..S-1 in order, a slice
             at = slice(0, len(ones)) if len(ones) == len(h) else torch.tensor([segs[j].a for j in ones], device=self.device)
-            rows = None
-            if glob_layer:
+            picked = None
+            if glob_layer:                 # held in fw (runtime/budget.py counts it through the MoE)
                 key = (c.kv_source_of(i), x)
                 if fw.get("rows", (None,))[0] != key:
                     fw.pop("rows", None)   # one set alive at a time
                     fw["rows"] = key, self._selected_rows_batch([segs[j].st.sources[key[0]] for j in ones], [sel[j][x] for j in ones])
-                rows = fw["rows"][1]
-            out[at] = attend_decode(q[at], pos[at], k_new[at], cw[at], [segs[j].st.windows[i] for j in ones], c.window_size, rows)
+                picked = fw["rows"][1]
+            out[at] = attend_decode(q[at], pos[at], k_new[at], cw[at], [segs[j].st.windows[i] for j in ones], c.window_size, picked)
         for sg, s_sel in zip(segs, sel):
             if sg.b - sg.a > 1:
                 r = slice(sg.a, sg.b)

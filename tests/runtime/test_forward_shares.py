@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from runtime import budget
 from runtime.checkpoint.reader import Checkpoint
 from runtime.engine import Engine
 from runtime.model import transformer
@@ -63,3 +64,32 @@ def test_reuse_layers_share_the_selected_rows_bit_for_bit(ck, monkeypatch):
     alone, per_forward_alone = _decode(ck, prompt, 6, monkeypatch, fresh_rows=True)
     assert per_forward == len(pairs) and per_forward_alone == len(glob)
     assert shared.tokens == alone.tokens and all(torch.equal(a, b) for a, b in zip(shared.logits, alone.logits))
+
+
+def test_what_the_layers_share_is_counted_by_the_plan(ck, monkeypatch):
+    """The largest the forward's shared tensors get (a prompt chunk's RoPE tables, a decode step's rows)
+    is within what runtime/budget.py counts for them."""
+    c = ck.config
+    plan = Plan(moe_strategy="cpu", prefill_chunk=24, max_num_seqs=1)
+    held = []
+    layer = transformer.Model._layer
+
+    def spy(self, *a):
+        fw = a[-1]
+        held.append(sum(t.numel() * t.element_size() for v in fw.values() for t in _tensors(v)))
+        return layer(self, *a)
+    monkeypatch.setattr(transformer.Model, "_layer", spy)
+    e = Engine(ck, plan)
+    try:
+        e.generate([(5 * k) % (c.vocab_size - 1) + 1 for k in range(48)], 4)
+    finally:
+        e.close()
+    assert held and 0 < max(held) <= budget.forward_shared_bytes(plan, ck.footprint())
+
+
+def _tensors(v):
+    if isinstance(v, torch.Tensor):
+        yield v
+    elif isinstance(v, (tuple, list)):
+        for x in v:
+            yield from _tensors(x)
