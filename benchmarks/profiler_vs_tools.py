@@ -9,8 +9,9 @@ is of medians, to the best engine. DRAM: the
 profiler's stream probe against a compiled C/OpenMP read reduction over the same buffer size
 (benchmarks/ref/stream_read.c, built here with gcc) and likwid-bench's load kernels (every width it
 has, on the same thread count and size) where installed, all interleaved over `--rounds` rounds;
-medians compared, likwid's of its kernel with the best median (as the probe's of its best layout). Goals (issue "speed on every ISA"): NVMe >= 0.90 of the better fio engine at every
-depth, DRAM within 10% of both references. fio and likwid come from Debian (`apt-get install fio likwid`).
+medians compared, likwid's of its kernel with the best median (as the probe's of its best layout).
+Goals (issue "speed on every ISA"): NVMe >= 0.90 of the better fio engine at every depth, DRAM within
+10% of both references. fio and likwid come from Debian (`apt-get install fio likwid`).
 """
 from __future__ import annotations
 

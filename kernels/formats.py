@@ -174,17 +174,18 @@ def quantize_fp4_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed.contiguous(), s8.squeeze(-1).view(torch.uint8).contiguous()
 
 
-@functools.lru_cache(maxsize=4)
-def _e2m1_pairs(dtype) -> torch.Tensor:
-    """[256, 2]: a packed byte's two E2M1 values (low nibble first), in dtype."""
-    return E2M1_VALUES.to(dtype)[unpack_e2m1(torch.arange(256, dtype=torch.int32).to(torch.uint8)[:, None]).long()]
+@functools.lru_cache(maxsize=8)
+def _e2m1_pairs(dtype, device) -> torch.Tensor:
+    """[256, 2]: a packed byte's two E2M1 values (low nibble first), in dtype, where the codes are."""
+    pairs = E2M1_VALUES.to(dtype)[unpack_e2m1(torch.arange(256, dtype=torch.int32).to(torch.uint8)[:, None]).long()]
+    return pairs.to(device)
 
 
 def dequantize_fp4_e4m3(packed: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """(codes [..., K/2], scales [..., K/16] E4M3 bits) -> x [..., K] in dtype: each byte looked up as its
     value pair, times its group's scale (the same products as unpacking code by code)."""
     lead, K = packed.shape[:-1], 2 * packed.shape[-1]
-    vals = _e2m1_pairs(dtype)[packed.long()].view(*lead, K // KV_FP4_GROUP, KV_FP4_GROUP)
+    vals = _e2m1_pairs(dtype, packed.device)[packed.long()].view(*lead, K // KV_FP4_GROUP, KV_FP4_GROUP)
     s = scales.view(torch.float8_e4m3fn).to(dtype)
     return (vals * s[..., None]).view(*lead, K)
 
