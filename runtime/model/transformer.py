@@ -146,8 +146,10 @@ class Model:
         fw = {"rope": rope_tables(pos, c.kv_lora_rank // 2, c.rope_theta, self.dtype)}   # what this forward's layers share
         for i in range(c.num_hidden_layers):
             if i == enc:                   # decoder global state from the encoder's final hidden states
+                t0 = time.perf_counter()
                 for sg in segs:
                     self._decoder_sources(sg.st, h[sg.a:sg.b], pos[sg.a:sg.b])
+                self.phases.add("dense", t0)   # its linears and the KV format's quantizer
                 fw.pop("rows", None)       # the sources changed
                 if decoder_start:
                     keep = (pos >= decoder_start).nonzero().flatten()

@@ -93,3 +93,17 @@ def _tensors(v):
     elif isinstance(v, (tuple, list)):
         for x in v:
             yield from _tensors(x)
+
+
+def test_the_decoder_sources_are_timed_as_dense(ck, monkeypatch):
+    """Their linears and the KV quantizer run once per forward at the encoder's end: in `dense`, not in
+    the time outside every phase."""
+    import time
+    sources = transformer.Model._decoder_sources
+    monkeypatch.setattr(transformer.Model, "_decoder_sources", lambda self, *a: (time.sleep(0.02), sources(self, *a))[1])
+    e = Engine(ck, Plan(moe_strategy="cpu"))
+    try:
+        r = e.generate([3, 5, 7, 11, 13], 4)
+    finally:
+        e.close()
+    assert r.phases["dense"] >= 3 * 0.02 and r.phases["outside_phases"] < 3 * 0.02   # 3 decode forwards
