@@ -150,7 +150,6 @@ class Model:
                 for sg in segs:
                     self._decoder_sources(sg.st, h[sg.a:sg.b], pos[sg.a:sg.b])
                 self.phases.add("dense", t0)   # its linears and the KV format's quantizer
-                fw.pop("rows", None)       # the sources changed
                 if decoder_start:
                     keep = (pos >= decoder_start).nonzero().flatten()
                     if len(keep) == 0:
@@ -175,7 +174,10 @@ class Model:
 
     def _layer(self, segs, i, h, pos, tok, rows, sel, fw):
         """fw: what the forward's layers share: its positions' RoPE tables, and the last decode batch's
-        selected rows (keyed by kv source and index source: reuse layers read the same rows)."""
+        selected rows (keyed by kv source and index source: reuse layers read the same rows). A pair's
+        rows are first built after its source is written (a source is written at its own layer, before
+        its attention, or at the encoder's end for the decoder's, and kv_source_of(i) <= i), so they
+        are never stale within the forward."""
         c, w = self.cfg, self.w
         if i in c.engram_layer_ids:
             h = self._engram(i, h, rows[i])               # its wait is `engram_wait`, its linears `dense`
@@ -188,7 +190,6 @@ class Model:
         if i in c.kv_source_layers and i < c.num_encoder_layers:
             for sg in segs:
                 self._write_source(sg.st, i, a[sg.a:sg.b], pos[sg.a:sg.b])
-            fw.pop("rows", None)                                             # the source changed
         t_att = time.perf_counter()            # attention: the indexer, the selected rows, the window
         glob_layer = c.layer_mode(i) != "window"
         if glob_layer:
