@@ -153,10 +153,12 @@ def cmd_profile(args) -> int:
         t.add_row(name, fig)
     c.print(t)
     nv = Table(title="NVMe random 4 KiB, O_DIRECT, the runtime's batched reader")
-    for col in ("QD", "IOPS", "p50 us", "p95 us", "I/O path"):
+    for col in ("QD", "IOPS", "p50 us", "p95 us", "engine", "IOPS per engine (interleaved)", "I/O path"):
         nv.add_column(col, justify="right")
     for e in prof["measurements"]["nvme_randread_4k"]:
-        nv.add_row(str(e["qd"]), f"{e['iops']:,.0f}", f"{e['p50_us']:.0f}", f"{e['p95_us']:.0f}", e["io_path"] + (f" ({e['fallback']})" if e.get("fallback") else ""))
+        each = "  ".join(f"{k} {v['iops']:,.0f}" for k, v in e.get("engines", {}).items())
+        nv.add_row(str(e["qd"]), f"{e['iops']:,.0f}", f"{e['p50_us']:.0f}", f"{e['p95_us']:.0f}", e.get("engine", "auto"), each,
+                   e["io_path"] + (f" ({e['fallback']})" if e.get("fallback") else ""))
     c.print(nv)
     for e in prof["measurements"]["nvme_engram_pattern"]:
         c.print(f"Engram pattern, 48 rows/token: serial {e['serial_ms_per_token']:.2f} ms, batched at QD{e['qd']} {e['batched_ms_per_token']:.2f} ms")

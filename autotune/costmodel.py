@@ -61,12 +61,43 @@ class Prediction:
         return asdict(self)
 
 
-def _iops(profile, depth: int) -> float | None:
+AUTO_ORDER = ("uring", "aio", "threads")       # the engine the reader's auto opens first (runtime/io_reader.py)
+
+
+def _nvme_point(profile, depth: int) -> dict | None:
+    """The random-read figures at the deepest measured queue depth <= depth (the shallowest if none)."""
     pts = profile["measurements"].get("nvme_randread_4k")
     if not isinstance(pts, list) or not pts:
         return None
     best = [p for p in pts if p["qd"] <= depth] or [min(pts, key=lambda p: p["qd"])]
-    return float(max(best, key=lambda p: p["qd"])["iops"])
+    return max(best, key=lambda p: p["qd"])
+
+
+def _iops(profile, depth: int, engine: str = "auto") -> float | None:
+    """4 KiB random reads/s at `depth` through the reader's `engine` (auto: the first this host opens);
+    None where the profile has no figure for it. A profile from before the engines were measured one by
+    one has the auto reader's figure only: that serves every engine."""
+    p = _nvme_point(profile, depth)
+    if p is None:
+        return None
+    each = p.get("engines")
+    if not each:
+        return float(p["iops"])
+    name = engine if engine != "auto" else next((e for e in AUTO_ORDER if e in each), None)
+    return float(each[name]["iops"]) if name in each else None
+
+
+def fastest_engine(profile, depth: int) -> str:
+    """The reader's engine with the most random reads/s at `depth` on this host ('auto' where the profile
+    did not measure them one by one): a measured fact the search copies into the plan."""
+    p = _nvme_point(profile, depth)
+    return p.get("engine", "auto") if p is not None and p.get("engines") else "auto"
+
+
+def _engram_iops(plan: Plan, profile) -> float | None:
+    """The Engram tier's reads/s: nvme_direct reads through the plan's engine at its depth; nvme_mmap's page
+    faults are not the reader's (auto's figure, as measured)."""
+    return _iops(profile, plan.engram_io_depth, plan.engram_io_engine if plan.engram_placement == "nvme_direct" else "auto")
 
 
 def plan_problems(plan: Plan, profile: dict, fp: Footprint, wl: Workload, allow_inexact: bool) -> list[str]:
@@ -83,8 +114,9 @@ def plan_problems(plan: Plan, profile: dict, fp: Footprint, wl: Workload, allow_
     if plan.prefill_moe_path == "device" and not staging_bytes(plan, fp):
         why.append(f"prefill_moe_path device needs prefill_buffer_mib >= one expert ({fp.expert_bytes / 2**20:.2f} MiB), "
                    f"got {plan.prefill_buffer_mib}")
-    if fp.engram_rows_total and plan.engram_placement != "host" and _iops(profile, plan.engram_io_depth) is None:
-        why.append("Engram on NVMe needs nvme_randread_4k figures this profile lacks")
+    if fp.engram_rows_total and plan.engram_placement != "host" and _engram_iops(plan, profile) is None:
+        why.append("Engram on NVMe needs nvme_randread_4k figures this profile lacks" + (
+            f" (engram_io_engine {plan.engram_io_engine} was not measured here)" if _nvme_point(profile, plan.engram_io_depth) else ""))
     return why
 
 
@@ -131,9 +163,12 @@ class _Ctx:
     def __init__(self, plan, profile, fp, wl, f, shares):
         self.plan, self.profile, self.fp, self.wl, self.f, self.mem = plan, profile, fp, wl, f, shares
         self.hit = f.routing.hit(plan.slot_cache_experts, plan.moe_strategy, plan.fetch_fraction) if f.gpu else 0.0
-        self.iops = _iops(profile, plan.engram_io_depth) if fp.engram_rows_total and plan.engram_placement != "host" else None
+        self.iops = _engram_iops(plan, profile) if fp.engram_rows_total and plan.engram_placement != "host" else None
         self.path_bytes = dense_path_bytes(fp)
         self.sources = dict(f.sources)
+        if self.iops:
+            self.sources["engram_wait"] += (f" at QD {plan.engram_io_depth}, {plan.engram_placement} through the "
+                                            f"{plan.engram_io_engine} engine: {self.iops:,.0f} reads/s")
         self.notes = []
         self.extra = {}
 

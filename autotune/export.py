@@ -25,7 +25,8 @@ GIB = 1 << 30
 def _common_notes(plan: Plan, notes: list, engine: str) -> None:
     if plan.engram_placement in ("nvme_direct", "nvme_mmap") and engine != "llama.cpp":
         notes.append(f"engram_placement={plan.engram_placement}: {engine} keeps the Engram tables in memory (host or GPU); "
-                     f"no NVMe tier, no row cache (engram_row_cache_mib={plan.engram_row_cache_mib}), no I/O depth knob")
+                     f"no NVMe tier, no row cache (engram_row_cache_mib={plan.engram_row_cache_mib}), no I/O depth or engine knob "
+                     f"(engram_io_depth={plan.engram_io_depth}, engram_io_engine={plan.engram_io_engine})")
     if plan.host_expert_budget_gib is not None:
         notes.append(f"host_expert_budget_gib={plan.host_expert_budget_gib:.1f} (experts past it read from NVMe, "
                      f"{plan.expert_nvme_path}): {engine} has no NVMe expert tier")
@@ -109,7 +110,8 @@ def llama_cpp(plan: Plan, cfg: ModelConfig, model: str):
     if plan.engram_placement != "host":
         words += ["-lm", "mmap"]                                      # mapped, rows paged in on demand (the branch's recipe)
     if plan.engram_placement == "nvme_direct":
-        notes.append(f"engram_placement=nvme_direct (O_DIRECT, depth {plan.engram_io_depth}, row cache "
+        notes.append(f"engram_placement=nvme_direct (O_DIRECT, depth {plan.engram_io_depth} through "
+                     f"{plan.engram_io_engine}, row cache "
                      f"{plan.engram_row_cache_mib} MiB): llama.cpp only maps the tables (page cache)")
     if plan.dspark:
         notes.append(f"dspark (draft length {plan.draft_length}): the V4.1 branch has no DSpark drafter (one contributor's port only)")

@@ -252,11 +252,14 @@ def _nvme(ck: Checkpoint, quick: bool, served, cores: int, step) -> dict:
     try:
         n_reads = 2000 if quick else 20000
         curve = []
+        engines, refused = nvme.engines_here(path)        # each measured at every depth, interleaved
         for qd in ((1, 8, 32) if quick else nvme.DEPTHS):
-            r = nvme.randread_4k(path, qd, n_reads, repeats=repeats)
+            r = nvme.randread_4k(path, qd, n_reads, repeats=repeats, engines=engines)
             curve.append({"qd": qd, "iops": r["iops"], "min": r["min"], "max": r["max"], "samples": r["samples"],
-                          "p50_us": r["p50_us"], "p95_us": r["p95_us"], "path": rel, "io_path": r["io_path"],
-                          "source": "measured", **({"fallback": r["fallback"]} if r["fallback"] else {})})
+                          "p50_us": r["p50_us"], "p95_us": r["p95_us"], "engine": r["engine"], "engines": r["engines"],
+                          "path": rel, "io_path": r["io_path"], "source": "measured",
+                          **({"fallback": r["fallback"]} if r["fallback"] else {}),
+                          **({"refused": refused} if refused else {})})
         m["nvme_randread_4k"] = curve
         m["nvme_engram_pattern"] = [nvme.engram_pattern(path, qd, 10 if quick else 40) for qd in ((8,) if quick else (4, 8, 32))]
         m["nvme_prefill_rows"] = [nvme.prefill_rows(path, qd, 4096 if quick else 16384) for qd in ((1, 32) if quick else nvme.DEPTHS)]

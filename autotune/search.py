@@ -17,7 +17,7 @@ import math
 
 import optuna
 
-from autotune.costmodel import OS_HEADROOM, MissingFigure, Prediction, predict
+from autotune.costmodel import OS_HEADROOM, MissingFigure, Prediction, fastest_engine, predict
 from autotune.costmodel import objective as score
 from runtime.budget import host_bytes
 from runtime.checkpoint.footprint import Footprint
@@ -93,6 +93,8 @@ def suggest_plan(trial: optuna.Trial, profile: dict, fp: Footprint, wl: Workload
         draft_length=trial.suggest_int("draft_length", 1, 5),
         geometry_hash=fp.geometry_hash,
     )
+    if kw["engram_placement"] == "nvme_direct":   # the reader's engine: a measured fact of the host at this depth
+        kw["engram_io_engine"] = fastest_engine(profile, kw["engram_io_depth"])
     if wl.concurrency > 1:                     # continuous batching: streams per step and the step's tokens
         kw["max_num_seqs"] = trial.suggest_categorical("max_num_seqs", [1, 2, 4, 8, 16, 32])
         kw["max_batched_tokens"] = trial.suggest_categorical("max_batched_tokens", [0, 256, 1024, 4096])

@@ -138,7 +138,8 @@ class Engine:
         self.experts = ReferenceExperts(self.ck) if reference else PlacedExperts(self.ck, self.plan, device=self.device)
         p = self.plan
         self.engram = (EngramStore(self.ck) if reference else
-                       EngramStore(self.ck, p.engram_placement, p.engram_io_depth, p.engram_row_cache_mib, p.engram_scales_in_ram)
+                       EngramStore(self.ck, p.engram_placement, p.engram_io_depth, p.engram_row_cache_mib, p.engram_scales_in_ram,
+                                   p.engram_io_engine)
                        ) if self.cfg.engram_layer_ids else None
         engram = self.engram
         self.model = Model(self.cfg, dense, self.experts, engram, load_cmap(self.ck), dtype, self.device)
@@ -153,9 +154,11 @@ class Engine:
         return self.experts.trace
 
     def io_paths(self) -> dict:
-        """How each NVMe tier reads here: 'o_direct', or 'buffered (why O_DIRECT was refused)'."""
+        """How each NVMe tier reads here: 'o_direct', or 'buffered (why O_DIRECT was refused)', and the
+        engine serving its reads ('uring', 'aio', 'threads'; 'auto' before its first read opens one)."""
         readers = {"experts": getattr(self.experts, "reader", None), "engram": getattr(self.engram, "reader", None)}
-        return {k: r.path + (f" ({r.fallback_reason})" if r.fallback_reason else "") for k, r in readers.items() if r is not None}
+        return {k: r.path + (f" ({r.fallback_reason})" if r.fallback_reason else "") + f", {r.engine_shown}"
+                for k, r in readers.items() if r is not None}
 
     def generate(self, prompt: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0,
                  keep_logits: bool = False, stop_ids=()) -> Result:

@@ -7,7 +7,8 @@ Row indices depend only on token ids, so the model hashes every position at the 
 and prefetches: in prefill all reads go out before the first layer; in decode layer 1's reads hide only
 behind layer 0, layer 14's behind layers 0-13 (V4.1). Placements:
   host         codes [rows, D] fp8 + scales [rows, D/32] copied into RAM at load
-  nvme_direct  rows read with O_DIRECT through the runtime's batched reader at the plan's depth, in
+  nvme_direct  rows read with O_DIRECT through the runtime's batched reader at the plan's depth and
+               engine (`engram_io_engine`: a named engine the kernel refuses fails the load), in
                front of a row cache (LRU, `engram_row_cache_mib`): rows deduplicated, each 4 KiB block
                read once however many rows share it; the 8 B/row scales stay in RAM when
                `engram_scales_in_ram` (one read per row), else each row also reads its scales
@@ -47,7 +48,7 @@ def gather_rows(reader: BatchedReader, path: str, base: int, rows: np.ndarray, n
 
 class EngramStore:
     def __init__(self, ck: Checkpoint, placement: str = "host", depth: int = 8, row_cache_mib: int = 0,
-                 scales_in_ram: bool = True):
+                 scales_in_ram: bool = True, engine: str = "auto"):
         cfg = ck.config
         self.placement, self.D = placement, cfg.engram_head_dim
         self.counters = defaultdict(float)
@@ -69,7 +70,14 @@ class EngramStore:
             else:
                 self.where[i] = (str(info.path), info.begin, str(sinfo.path), sinfo.begin)
                 self.scales[i] = ck.tensor(sinfo.name).clone() if scales_in_ram else None
-        self.reader = BatchedReader(depth=depth) if placement == "nvme_direct" else None
+        self.reader = None
+        if placement == "nvme_direct":                   # auto: $DSV41_IO_ENGINE, else the kernel's first
+            self.reader = BatchedReader(depth=depth, engine=None if engine == "auto" else engine)
+            try:
+                self.reader.require_engine()
+            except OSError as e:
+                self.reader.close()
+                raise OSError(e.errno, f"plan field 'engram_io_engine': {e.strerror}") from e
         self.row_bytes = self.D + self.D // 32
         self.cache: OrderedDict = OrderedDict()              # (layer, row) -> (codes u8 [D], scales u8 [D/32])
         self.cache_rows = row_cache_mib * (1 << 20) // self.row_bytes

@@ -26,6 +26,7 @@ from numba import njit
 
 from hostinfo import o_direct_refusal
 from runtime.budget import READ_ARENA_BYTES
+from runtime.plan import IO_ENGINES
 from runtime.aio import AioContext
 from runtime.uring import UringContext
 
@@ -61,7 +62,8 @@ class ReadError(OSError):
     def __str__(self):
         return self.strerror
 
-ENGINES = ("auto", "uring", "aio", "threads")   # auto: io_uring, else kernel AIO (O_DIRECT only), else threads
+ENGINES = IO_ENGINES      # auto: io_uring, else kernel AIO (O_DIRECT only), else threads
+ASYNC = (("uring", UringContext), ("aio", AioContext))   # auto's order
 PIECE = 1 << 20          # large requests are split into 1 MiB pieces so depth applies to them too
 
 
@@ -239,15 +241,19 @@ class BatchedReader:
 
     def _aio_ready(self):
         """The asynchronous engine when every file of this reader is open with O_DIRECT and the engine
-        setting allows it: io_uring, else kernel AIO (opened on first use; each refusal is kept in
-        `aio_refusal` and the next engine serves, threads last)."""
+        setting allows it (None: the threads serve)."""
         if self.engine == "threads" or self.path != "o_direct":
             return None
+        return self._open_engine()
+
+    def _open_engine(self):
+        """Open the engine once: io_uring, else kernel AIO (each refusal is kept in `aio_refusal` and the
+        next engine serves, threads last); a named engine the kernel refuses is an OSError saying why."""
         with self._aio_lock:                         # two threads reading at once open one engine
             if self._aio is None and not self._tried:
                 self._tried = True
                 why = []
-                for name, cls in (("uring", UringContext), ("aio", AioContext)):
+                for name, cls in ASYNC:
                     if self.engine in ("auto", name):
                         ctx, reason = cls.open(self.depth)
                         if ctx is not None:
@@ -260,10 +266,21 @@ class BatchedReader:
                     raise OSError(errno.ENOSYS, f"the reader's engine {self.engine!r} is unavailable: {self.aio_refusal}")
             return self._aio
 
+    def require_engine(self) -> None:
+        """A named asynchronous engine (a plan's) opened now, so that a kernel refusing it fails at load,
+        not at the first read."""
+        if self.engine in dict(ASYNC):
+            self._open_engine()
+
     @property
     def engine_used(self) -> str:
         """What serves this reader's reads now: 'uring', 'aio' (one thread, reads in flight) or 'threads'."""
         return self._aio_name if self._aio is not None and self.path == "o_direct" else "threads"
+
+    @property
+    def engine_shown(self) -> str:
+        """The engine serving reads, or the one asked for before a first read opened it ('auto', ...)."""
+        return self.engine_used if self._tried or self.engine == "threads" or self.path != "o_direct" else self.engine
 
     def _fallback(self, path, err):
         fd = self._fds.pop(path, None)

@@ -17,6 +17,7 @@ PLACEMENTS = ("host", "nvme_direct", "nvme_mmap")
 NVME_PATHS = ("nvme_direct", "nvme_mmap")
 PREFILL_MODES = ("full", "bounded_replay")
 PREFILL_MOE_PATHS = ("cpu", "device")
+IO_ENGINES = ("auto", "uring", "aio", "threads")   # the batched reader's (runtime/io_reader.py); auto: the first the kernel opens
 
 
 class PlanError(ValueError):
@@ -41,6 +42,8 @@ class Plan:
     vram_budget_gib: float | None = None  # enforced; None = the device's memory
     engram_placement: str = "host"        # host | nvme_direct | nvme_mmap
     engram_io_depth: int = 8              # outstanding Engram reads
+    engram_io_engine: str = "auto"        # nvme_direct: the reader's engine (uring | aio | threads; auto: io_uring, else
+                                          # kernel AIO, else threads); exact. The tuner puts the host's fastest at the depth
     engram_row_cache_mib: int = 0         # host row cache in front of NVMe reads
     engram_scales_in_ram: bool = True     # keep the 8 B/row scales resident: one read per row instead of two
     dspark: bool = False                  # speculative decoding with the DSpark drafter
@@ -54,7 +57,7 @@ class Plan:
             raise PlanError(f"plan field '{field}' {why}")
         for name, allowed in (("moe_strategy", STRATEGIES), ("engram_placement", PLACEMENTS),
                               ("expert_nvme_path", NVME_PATHS), ("prefill_mode", PREFILL_MODES),
-                              ("prefill_moe_path", PREFILL_MOE_PATHS)):
+                              ("prefill_moe_path", PREFILL_MOE_PATHS), ("engram_io_engine", IO_ENGINES)):
             if getattr(self, name) not in allowed:
                 bad(name, f"must be one of {allowed}, got {getattr(self, name)!r}")
         if self.cpu_moe_streams not in (1, 4):

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from runtime.config import read_json
+from runtime.plan import IO_ENGINES
 
 SCHEMA = "dsv41-profile/1"
 SOURCES = ("measured", "published", "formula", "assumed")
@@ -114,6 +115,10 @@ def validate(d: dict, src: str = "profile") -> dict:
             for k in ("qd", "iops", "p50_us", "p95_us", "path"):
                 if k not in e:
                     raise ProfileError(f"{src}: 'measurements.nvme_randread_4k[{i}].{k}' is missing")
+            for name, f in (e.get("engines") or {}).items():     # each engine of the reader, at this depth
+                if name not in IO_ENGINES[1:] or not isinstance(f, dict) or not isinstance(f.get("iops"), (int, float)):
+                    raise ProfileError(f"{src}: 'measurements.nvme_randread_4k[{i}].engines.{name}' must be one of "
+                                       f"{IO_ENGINES[1:]} with an 'iops' figure")
             if isinstance(e["path"], str) and e["path"].startswith("/") and host.get("shipped", False):
                 raise ProfileError(f"{src}: a shipped profile records an absolute path in nvme_randread_4k[{i}]")
     return d

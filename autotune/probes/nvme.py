@@ -1,6 +1,8 @@
 """NVMe probes through the runtime's own BatchedReader (the path serving uses).
 
-  random 4 KiB reads at queue depths 1..64: IOPS, p50/p95 per-read latency (O_DIRECT)
+  random 4 KiB reads at queue depths 1..64: IOPS, p50/p95 per-read latency (O_DIRECT), each engine of
+    the reader this host opens (io_uring, kernel AIO, threads) interleaved: the plan's engine is the
+    fastest at its depth (autotune/search.py), predicted at that engine's figure
   the Engram pattern: 48 row reads per token, serial (one read at a time) vs batched at each depth,
     and a prefill batch of thousands of rows deduplicated into blocks
   sequential reads of expert-sized blocks (GB/s), for experts beyond host RAM
@@ -18,8 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+from hostinfo import o_direct_refusal
 from hostinfo.measure import Measurement
-from runtime.io_reader import BLOCK, BatchedReader
+from runtime.io_reader import ASYNC, BLOCK, BatchedReader
 
 MIN_FILE = 1 << 30
 DEPTHS = (1, 2, 4, 8, 16, 32, 64)
@@ -58,30 +61,63 @@ def remove_scratch(path: Path) -> None:
         pass
 
 
-def randread_4k(path: Path, depth: int, n_reads: int, seed: int = 0, direct: bool = True, repeats: int = 3) -> dict:
-    """`repeats` timed batches of n_reads / repeats random 4 KiB reads at `depth` after a warm-up batch
-    of the same size (opens, the engine, the buffer's page faults: out of the timing), through the
-    runtime's reader, each read landing in a ring of 2 x depth blocks (`discard`: as fio reads, and as
-    a decode step's Engram rows land in an arena the cache holds): IOPS per batch (raw samples, median,
-    min, max), p50/p95 per-read latency over all of them."""
+def engines_here(path: Path, direct: bool = True) -> tuple[list[str], dict]:
+    """The reader's engines this host serves O_DIRECT reads of `path` with -> (names in auto's order,
+    {engine: why the kernel refused it}). Only the threads where O_DIRECT is refused (buffered reads never
+    use the others) or where $DSV41_IO_ENGINE names one engine (a host override: only that one)."""
+    forced = os.environ.get("DSV41_IO_ENGINE", "auto")
+    if forced != "auto":
+        return [forced], {}
+    if not direct or o_direct_refusal(path):
+        return ["threads"], {}
+    names, refused = [], {}
+    for name, cls in ASYNC:
+        ctx, why = cls.open(1)
+        if ctx is None:
+            refused[name] = why
+        else:
+            ctx.close()
+            names.append(name)
+    return names + ["threads"], refused
+
+
+def randread_4k(path: Path, depth: int, n_reads: int, seed: int = 0, direct: bool = True, repeats: int = 3,
+                engines: list[str] | None = None) -> dict:
+    """`repeats` rounds of n_reads / repeats random 4 KiB reads at `depth` through the runtime's reader,
+    one batch per engine each round (`engines`, default: the reader's auto; the order rotates every round:
+    interleaved, so a drift in the device hits every engine alike), after one warm-up batch each (opens,
+    the engine, the buffer's page faults: out of the timing). Each read lands in a ring of 2 x depth
+    blocks (`discard`: as fio reads, and as a decode step's Engram rows land in an arena the cache
+    holds). -> per engine: IOPS per batch (raw samples, median, min, max), p50/p95 per-read latency over
+    all of them; the top-level figures are the fastest engine's (by median), named in `engine`."""
     size = path.stat().st_size
     per = max(1, n_reads // repeats)
+    engines = engines or ["auto"]
     blocks = np.random.default_rng(seed + depth).integers(0, size // BLOCK, per * repeats + per)
-    r = BatchedReader(depth=depth, direct=direct, arena_bytes=None)   # the device's IOPS: no arena cap
-    lat: list = []
-    iops = []
+    readers = {e: BatchedReader(depth=depth, direct=direct, engine=e, arena_bytes=None) for e in engines}   # no arena cap
+    lat: dict = {e: [] for e in engines}
+    iops: dict = {e: [] for e in engines}
     try:
-        r.read_blocks(str(path), blocks[per * repeats:], reuse=True, discard=True)   # warm-up: opens, the engine, the ring
+        for r in readers.values():            # warm-up: opens, the engine, the ring
+            r.read_blocks(str(path), blocks[per * repeats:], reuse=True, discard=True)
         for k in range(repeats):
-            t0 = time.perf_counter()
-            r.read_blocks(str(path), blocks[k * per:(k + 1) * per], reuse=True, latencies=lat, discard=True)
-            iops.append(per / (time.perf_counter() - t0))
+            for e in engines[k % len(engines):] + engines[:k % len(engines)]:
+                t0 = time.perf_counter()
+                readers[e].read_blocks(str(path), blocks[k * per:(k + 1) * per], reuse=True, latencies=lat[e], discard=True)
+                iops[e].append(per / (time.perf_counter() - t0))
     finally:
-        r.close()
-    us = np.array(lat) * 1e6
-    return {"qd": depth, "iops": float(np.median(iops)), "min": float(min(iops)), "max": float(max(iops)), "samples": iops,
-            "p50_us": float(np.percentile(us, 50)), "p95_us": float(np.percentile(us, 95)),
-            "io_path": r.path, "fallback": r.fallback_reason, "engine": r.engine_used, "aio_refusal": r.aio_refusal}
+        for r in readers.values():
+            r.close()
+    figs = {}
+    for e, r in readers.items():
+        us = np.array(lat[e]) * 1e6
+        figs[r.engine_used if e == "auto" else e] = {
+            "iops": float(np.median(iops[e])), "min": float(min(iops[e])), "max": float(max(iops[e])), "samples": iops[e],
+            "p50_us": float(np.percentile(us, 50)), "p95_us": float(np.percentile(us, 95))}
+    best = max(figs, key=lambda e: figs[e]["iops"])
+    r = next(iter(readers.values()))
+    return {"qd": depth, **figs[best], "engine": best, "engines": figs,
+            "io_path": r.path, "fallback": r.fallback_reason, "aio_refusal": r.aio_refusal}
 
 
 def engram_pattern(path: Path, depth: int, tokens: int, rows_per_token: int = 48, row_bytes: int = 264, seed: int = 1) -> dict:

@@ -134,6 +134,47 @@ def test_the_row_layout_comes_from_the_hosts_measurement(epyc, v41):
     assert res and all(p.cpu_moe_streams == Plan.cpu_moe_streams for p, _ in res)
 
 
+def _engine_curve(profile, fast):
+    """Random-read figures at every depth, each engine measured, `fast(qd)` twice the others."""
+    one = copy.deepcopy(profile)
+    one["measurements"]["nvme_randread_4k"] = [
+        {"qd": q, "iops": 2e4 * q ** 0.5 * 2, "p50_us": 90.0, "p95_us": 150.0, "path": "x", "engine": fast(q),
+         "engines": {e: {"iops": 2e4 * q ** 0.5 * (2 if e == fast(q) else 1)} for e in ("uring", "aio", "threads")}}
+        for q in (1, 2, 4, 8, 16, 32, 64)]
+    return one
+
+
+def test_the_engram_reader_engine_comes_from_the_hosts_measurement(epyc, v41):
+    """engram_io_engine is a measured fact of the host at the plan's depth (the profiler's interleaved
+    engines): every nvme_direct plan carries the fastest there and is predicted at that engine's figure;
+    a plan naming an engine the profile did not measure is refused; an older profile (no engines) keeps auto."""
+    fast = lambda q: "threads" if q >= 16 else "aio"       # noqa: E731
+    one = _engine_curve(epyc, fast)
+    small = copy.deepcopy(one)
+    small["host"]["hard"].update(gpu_name="", gpu_vram_gib=0, ram_gib=24.0)   # Engram must leave RAM
+    _, res = search(small, v41, Workload(1024, 64), n_trials=300)
+    direct = [p for p, _ in res if p.engram_placement == "nvme_direct"]
+    assert direct and all(p.engram_io_engine == fast(p.engram_io_depth) for p in direct)
+    assert {p.engram_io_engine for p in direct} <= {"aio", "threads"}
+    assert all(p.engram_io_engine == "auto" for p, _ in res if p.engram_placement != "nvme_direct")
+    plan, wl = direct[0], Workload(1024, 64)
+    q = plan.engram_io_depth
+    slow = plan.replace(engram_io_engine="uring")
+    fig = lambda pr: float(pr.sources["engram_wait"].rsplit(": ", 1)[1].split()[0].replace(",", ""))   # noqa: E731
+    at_best, at_slow = predict(plan, small, v41, wl), predict(slow, small, v41, wl)
+    assert fig(at_best) == pytest.approx(2 * fig(at_slow)) == pytest.approx(2 * 2e4 * q ** 0.5)
+    auto = predict(plan.replace(engram_io_engine="auto"), small, v41, wl)     # auto: io_uring, the first the kernel opens
+    assert fig(auto) == pytest.approx(fig(at_slow))
+    for p in small["measurements"]["nvme_randread_4k"]:
+        del p["engines"]["aio"]
+    refused = predict(plan.replace(engram_io_engine="aio"), small, v41, wl)
+    assert not refused.feasible and any("engram_io_engine aio was not measured here" in w for w in refused.why)
+    old = copy.deepcopy(epyc)
+    old["host"]["hard"].update(gpu_name="", gpu_vram_gib=0, ram_gib=24.0)
+    _, res = search(old, v41, Workload(1024, 64), n_trials=100)
+    assert res and all(p.engram_io_engine == "auto" for p, _ in res)
+
+
 def test_cpu_host_dense_term_is_the_runtime_path(epyc, v41):
     """On a CPU host the dense term is (fp8 dense as stored + 2 x head) bytes at the measured dense-path rate,
     the shared expert its own term on the CPU-MoE kernel; without the figure it falls back to DRAM, and says so."""

@@ -51,6 +51,11 @@ def test_quick_profile_is_complete_and_valid(quick_profile, tiny_dir):
     assert r["union"]["1"] == 4 and 4 < r["union"]["2"] <= 8
     assert not list(tiny_dir.parent.glob(".dsv41-probe-*")) and not list(tiny_dir.glob("*probe*"))   # scratch removed
     assert all(len(e["samples"]) >= 3 and e["min"] <= e["iops"] <= e["max"] for e in m["nvme_randread_4k"])
+    from autotune.probes.nvme import engines_here                # each engine this host opens, at every depth
+    want = engines_here(tiny_dir / "config.json")[0]
+    for e in m["nvme_randread_4k"]:
+        assert list(e["engines"]) == want and all(len(f["samples"]) >= 3 for f in e["engines"].values())
+        assert e["engine"] == max(want, key=lambda k: e["engines"][k]["iops"]) and e["iops"] == e["engines"][e["engine"]]["iops"]
     assert all(k in p["host"]["hard"] for k in HARD_FIELDS)
 
 
@@ -151,3 +156,25 @@ def test_a_failed_nvme_tier_timing_keeps_the_in_ram_figures(tiny_dir, monkeypatc
     out = profiler._forward_terms(Checkpoint(tiny_dir), quick=True)
     assert out["dense_path_gbs"] == main["dense_path_gbs"]
     assert "no room for the tier's reads" in out["phases_nvme_tier"]["skipped"]
+
+
+def test_the_nvme_probe_measures_the_engines_this_host_opens(tmp_path, monkeypatch):
+    """Each engine the kernel opens, interleaved at the depth; a refused one is left out with its reason;
+    $DSV41_IO_ENGINE (a host override) names the only one; where O_DIRECT is refused only the threads read."""
+    import runtime.io_reader as io_reader
+    from autotune.probes import nvme
+    f = tmp_path / "data.bin"
+    f.write_bytes(os.urandom(4 << 20))
+    if (why := nvme.o_direct_refusal(f)):
+        pytest.skip(f"no O_DIRECT here: {why}")
+    monkeypatch.setattr(io_reader.UringContext, "open", classmethod(lambda cls, depth: (None, "io_uring_setup refused (1: seccomp)")))
+    names, refused = nvme.engines_here(f)
+    assert names[0] != "uring" and names[-1] == "threads" and "seccomp" in refused["uring"]
+    r = nvme.randread_4k(f, 4, 300, engines=names)
+    assert list(r["engines"]) == names and all(len(e["samples"]) == 3 and e["iops"] > 0 for e in r["engines"].values())
+    assert r["iops"] == max(e["iops"] for e in r["engines"].values()) == r["engines"][r["engine"]]["iops"]
+    monkeypatch.setenv("DSV41_IO_ENGINE", "threads")
+    assert nvme.engines_here(f) == (["threads"], {})
+    monkeypatch.delenv("DSV41_IO_ENGINE")
+    monkeypatch.setattr(nvme, "o_direct_refusal", lambda p: "EINVAL (tmpfs)")
+    assert nvme.engines_here(f) == (["threads"], {})

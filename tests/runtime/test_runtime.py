@@ -19,7 +19,7 @@ from hostinfo import cuda_available
 from runtime.budget import DoesNotFit, check_plan, check_request
 from runtime.checkpoint.reader import Checkpoint
 from runtime.engine import Engine
-from runtime.plan import Plan
+from runtime.plan import Plan, PlanError
 from runtime.workload import make_prompt
 
 TOL = 1.5e-3
@@ -253,15 +253,21 @@ def test_every_strategy_s_fixed_cost_is_timed_through_the_runtime(ck):
     assert cuda_available() or all("no CUDA device" in plain[s]["skipped"] for s in ("offload", "hybrid"))
 
 
-@pytest.mark.parametrize("placement,depth,cache_mib,scales_in_ram", [
-    ("nvme_direct", 1, 0, True), ("nvme_direct", 8, 1, True), ("nvme_direct", 64, 0, False),
-    ("nvme_mmap", 8, 0, True)])
-def test_engram_placements_give_identical_output(ck, case, placement, depth, cache_mib, scales_in_ram):
+@pytest.mark.parametrize("placement,depth,cache_mib,scales_in_ram,engine", [
+    ("nvme_direct", 1, 0, True, "auto"), ("nvme_direct", 8, 1, True, "auto"), ("nvme_direct", 64, 0, False, "auto"),
+    ("nvme_direct", 8, 0, True, "uring"), ("nvme_direct", 32, 0, True, "aio"), ("nvme_direct", 4, 0, False, "threads"),
+    ("nvme_mmap", 8, 0, True, "auto")])
+def test_engram_placements_give_identical_output(ck, case, placement, depth, cache_mib, scales_in_ram, engine):
+    """Every placement, depth and reader engine (engram_io_engine, the plan's: the one serving the reads)
+    gives the host placement's bits."""
     prompt, _ = case
+    if engine in ("uring", "aio"):
+        _skip_unless_engine(engine, ck.root)
     host = Engine(ck, Plan()).generate(prompt, 6, keep_logits=True)
     e = Engine(ck, Plan(engram_placement=placement, engram_io_depth=depth, engram_row_cache_mib=cache_mib,
-                        engram_scales_in_ram=scales_in_ram))
+                        engram_scales_in_ram=scales_in_ram, engram_io_engine=engine))
     out = e.generate(prompt, 6, keep_logits=True)
+    used, shown = (e.engram.reader.engine_used, e.io_paths()["engram"]) if e.engram.reader else (None, "")
     e.close()
     assert out.tokens == host.tokens and all(torch.equal(a, b) for a, b in zip(out.logits, host.logits))
     if placement == "nvme_direct":
@@ -270,6 +276,28 @@ def test_engram_placements_give_identical_output(ck, case, placement, depth, cac
         assert c["bytes_read"] == 4096 * c["reads"] and c["reads"] <= (1 if scales_in_ram else 2) * (c["unique_rows"] - c["cache_hits"])
         if cache_mib:
             assert c["cache_hits"] > 0                            # n-gram rows recur in natural text
+        if engine != "auto":
+            assert used == engine and shown.endswith(f", {engine}")
+
+
+def _skip_unless_engine(engine, path):
+    from hostinfo import o_direct_refusal
+    from runtime.io_reader import ASYNC
+    if o_direct_refusal(path / "config.json"):
+        pytest.skip(f"no O_DIRECT here ({o_direct_refusal(path / 'config.json')}): the threads read every file")
+    ctx, why = dict(ASYNC)[engine].open(1)
+    if ctx is None:
+        pytest.skip(f"the kernel refuses {engine} here: {why}")
+    ctx.close()
+
+
+def test_a_plans_engine_the_kernel_refuses_fails_the_load_naming_the_field(ck, monkeypatch):
+    import runtime.io_reader as io_reader
+    monkeypatch.setattr(io_reader.AioContext, "open", classmethod(lambda cls, depth: (None, "io_setup refused (1: seccomp)")))
+    with pytest.raises(OSError, match=r"plan field 'engram_io_engine': the reader's engine 'aio' is unavailable: aio: io_setup refused"):
+        Engine(ck, Plan(engram_placement="nvme_direct", engram_io_engine="aio"))
+    with pytest.raises(PlanError, match=r"'engram_io_engine' must be one of"):
+        Plan(engram_io_engine="spdk")
 
 
 def test_gather_rows_reads_each_block_once_and_handles_straddlers(tmp_path):
