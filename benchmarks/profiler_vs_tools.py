@@ -2,8 +2,9 @@
 
   python benchmarks/profiler_vs_tools.py [--depths 1 2 4 8 16 32 64] [--seconds 3] [--json]
 
-NVMe: the profiler's random 4 KiB O_DIRECT probe (the runtime's BatchedReader) against fio on the same
-file at the same depths: `--ioengine=libaio --iodepth=D`, `--ioengine=io_uring --iodepth=D` and
+NVMe: the profiler's random 4 KiB O_DIRECT probe (the runtime's BatchedReader, each engine the kernel
+opens; its figure is the fastest engine's, the one the plan's `engram_io_engine` then runs) against fio
+on the same file at the same depths: `--ioengine=libaio --iodepth=D`, `--ioengine=io_uring --iodepth=D` and
 `--ioengine=psync --numjobs=D` (D reads in flight), interleaved over `--nvme-rounds` rounds; the ratio
 is of medians, to the best engine. DRAM: the
 profiler's stream probe against a compiled C/OpenMP read reduction over the same buffer size
@@ -109,21 +110,23 @@ def main(argv=None):
             print("fio is not installed (apt-get install fio): NVMe comparison skipped")
         else:
             print(f"{'QD':>3} {'probe IOPS':>11} {'fio libaio':>11} {'io_uring':>9} {'psync':>9}  probe/best")
-            engines = ("libaio", "io_uring", "psync")
+            engines, ours_engines = ("libaio", "io_uring", "psync"), nvme.engines_here(path)[0]
             for d in args.depths:
-                runs = {"probe": [], **{e: [] for e in engines}}
+                runs = {"probe": [], "probe_engine": [], **{e: [] for e in engines}}
                 for _ in range(args.nvme_rounds):          # interleaved: probe and every engine in each round
-                    runs["probe"].append(nvme.randread_4k(path, d, max(4000, 8000 * min(d, 8)))["iops"])
+                    p = nvme.randread_4k(path, d, max(4000, 8000 * min(d, 8)), engines=ours_engines)
+                    runs["probe"].append(p["iops"])
+                    runs["probe_engine"].append(p["engine"])
                     for e in engines:
                         runs[e].append(fio(path, e, d, args.seconds))
-                med = {k: float(np.median(v)) for k, v in runs.items()}
+                med = {k: float(np.median(v)) for k, v in runs.items() if k != "probe_engine"}
                 ours, ref = med["probe"], {e: med[e] for e in engines}
                 best = max(ref, key=ref.get)
                 r = {"qd": d, "probe_iops": ours, **{f"fio_{e}_iops": v for e, v in ref.items()},
                      "best_engine": best, "ratio_best": ours / ref[best], "samples": runs}
                 rows.append(r)
                 print(f"{d:>3} {ours:>11,.0f} {ref['libaio']:>11,.0f} {ref['io_uring']:>9,.0f} {ref['psync']:>9,.0f}"
-                      f"  {r['ratio_best']:>9.2f} ({best})")
+                      f"  {r['ratio_best']:>9.2f} ({best}; ours: {'/'.join(runs['probe_engine'])})")
     finally:
         if scratch:
             path.unlink(missing_ok=True)
