@@ -153,8 +153,8 @@ def memory(plan: Plan, profile: dict, fp: Footprint, f: HostFigures) -> tuple[di
 
 
 def _head_bytes(fp: Footprint, gpu: bool) -> int:
-    """The LM head as the dense path holds it: bf16 on the device, float32 on the CPU."""
-    return fp.vocab_size * fp.hidden_size * (2 if gpu else 4)
+    """The LM head as the dense path holds it: as stored (BF16) on the CPU, a float32 copy on the device."""
+    return fp.vocab_size * fp.hidden_size * (4 if gpu else 2)
 
 
 class _Ctx:
@@ -164,7 +164,7 @@ class _Ctx:
         self.plan, self.profile, self.fp, self.wl, self.f, self.mem = plan, profile, fp, wl, f, shares
         self.hit = f.routing.hit(plan.slot_cache_experts, plan.moe_strategy, plan.fetch_fraction) if f.gpu else 0.0
         self.iops = _engram_iops(plan, profile) if fp.engram_rows_total and plan.engram_placement != "host" else None
-        self.path_bytes = dense_path_bytes(fp)
+        self.path_bytes = dense_path_bytes(fp, on_cpu=not f.gpu)
         self.sources = dict(f.sources)
         if self.iops:
             self.sources["engram_wait"] += (f" at QD {plan.engram_io_depth}, {plan.engram_placement} through the "

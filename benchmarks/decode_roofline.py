@@ -40,9 +40,9 @@ from autotune.probes.cpu_moe import row_streams  # noqa: E402
 from hostinfo.measure import measure  # noqa: E402
 from kernels.stream import dram_stream_read  # noqa: E402
 from kernels.cpu_moe import Fp4Bank, expert_ffn  # noqa: E402
-from kernels.fp8_dense import Fp8Weight, fp8_linear  # noqa: E402
 from runtime.checkpoint.reader import Checkpoint  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
+from runtime.model.weights import linear  # noqa: E402
 from runtime.plan import Plan  # noqa: E402
 from runtime.workload import make_prompt  # noqa: E402
 
@@ -102,7 +102,7 @@ def main(argv=None):
     banks = engine.experts.host                                  # rotate layers so experts are fresh
     dense = [w for n, w in engine.model.w.items()                # what a decoded token multiplies (not the drafter)
              if len(w.shape) == 2 and n != "embed.weight" and not n.startswith("mtp.") and ".tid2eid" not in n]
-    dense_bytes_rt = sum(w.nbytes if isinstance(w, Fp8Weight) else w.numel() * w.element_size() for w in dense)
+    dense_bytes_rt = sum(w.nbytes for w in dense)                # as held: fp8 and BF16 as stored, the rest float32
     xs = [torch.randn(1, w.shape[1]) for w in dense]
     routed_b, shared_b = fp.routed_bytes_per_decode_token, fp.bytes_by_class["shared_expert"]
     bytes_tok = fp.routed_bytes_per_decode_token + fp.dense_bytes_per_token
@@ -111,7 +111,7 @@ def main(argv=None):
         r = engine.generate(prompt, args.max_tokens)
         stream = dram_stream_read(T, repeats=3)
         m = measure(moe_step, repeats=12, warmup=2)
-        md = measure(lambda: [fp8_linear(xx, w) if isinstance(w, Fp8Weight) else xx @ w.T for xx, w in zip(xs, dense)],
+        md = measure(lambda: [linear(xx, w) for xx, w in zip(xs, dense)],
                      repeats=10, warmup=2)
         kernel_gbs = cfg.num_experts_per_tok * fp.expert_bytes / m.median / 1e9
         dense_gbs = dense_bytes_rt / md.median / 1e9
@@ -136,7 +136,7 @@ def main(argv=None):
     P, L, K = args.prompt_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok
     t_bytes = (fp.full_pass_bytes + fp.dense_bytes_per_token) / (stream_gbs * 1e9)
     routed_flop = 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * (K + cfg.n_shared_experts) * L   # routed + shared experts
-    dense_flop = 2 * sum(w.q.size if isinstance(w, Fp8Weight) else w.numel() for w in dense)
+    dense_flop = 2 * sum(w.shape[0] * w.shape[1] for w in dense)
     peak = matmul_peak_flops(T)
     t_flop = P * (routed_flop + dense_flop) / peak
     prefill_roof = P / max(t_bytes, t_flop)

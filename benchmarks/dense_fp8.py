@@ -22,7 +22,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hostinfo import usable_cores  # noqa: E402
-from kernels.fp8_dense import Fp8Weight  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
 from runtime.model.weights import load_dense  # noqa: E402
 from runtime.plan import Plan  # noqa: E402
@@ -30,7 +29,7 @@ from runtime.workload import make_prompt  # noqa: E402
 
 
 def held(w: dict) -> int:
-    return sum(t.nbytes if isinstance(t, Fp8Weight) else t.numel() * t.element_size() for t in w.values())
+    return sum(t.nbytes for t in w.values())
 
 
 def main(argv=None):

@@ -182,20 +182,21 @@ def staging_bytes(plan: Plan, fp: Footprint) -> int:
     return plan.prefill_buffer_mib * (1 << 20) // fp.expert_bytes * fp.expert_bytes
 
 
-def dense_path_bytes(fp: Footprint) -> int:
-    """Bytes the runtime's CPU dense path reads per decoded token, shared expert aside: the fp8 linears
-    as stored (kernels/fp8_dense.py; the `dense` class, whose few BF16 norms and routers count 1x) and
-    the other non-expert bytes (LM head, BF16) held as float32, 2x."""
-    fp8 = fp.bytes_by_class["dense"]
-    return fp8 + 2 * (fp.dense_bytes_per_token - fp.bytes_by_class["shared_expert"] - fp8)
-
-
-def dense_host_bytes(fp: Footprint) -> int:
-    """What the runtime holds in host RAM for the dense part on a CPU host: the path above (the LM head
-    included), the shared experts as stored (ds_fp4 banks) and the token embedding table as stored
-    (BF16; rows are converted as they are looked up). The `embeddings` class is the table + the head."""
+def dense_path_bytes(fp: Footprint, on_cpu: bool = True) -> int:
+    """Bytes the runtime's dense path reads per decoded token, shared expert aside: the fp8 linears as
+    stored (the `dense` class, with its BF16 routers: kernels/fp8_dense.py, kernels/bf16_dense.py on the
+    CPU) and the LM head: as stored (BF16) on the CPU, a float32 copy (2x) on a device."""
     head = fp.dense_bytes_per_token - fp.bytes_by_class["shared_expert"] - fp.bytes_by_class["dense"]
-    return dense_path_bytes(fp) + fp.bytes_by_class["shared_expert"] + fp.bytes_by_class["embeddings"] - head
+    return fp.bytes_by_class["dense"] + head * (1 if on_cpu else 2)
+
+
+def dense_host_bytes(fp: Footprint, on_cpu: bool = True) -> int:
+    """What the runtime holds for the dense part (on the CPU, or `on_cpu` False: on the device, the shared
+    experts aside): the path above (the LM head included), the shared experts as stored (ds_fp4 banks)
+    and the token embedding table as stored (BF16; rows are converted as they are looked up). The
+    `embeddings` class is the table + the head."""
+    head = fp.dense_bytes_per_token - fp.bytes_by_class["shared_expert"] - fp.bytes_by_class["dense"]
+    return dense_path_bytes(fp, on_cpu) + fp.bytes_by_class["shared_expert"] + fp.bytes_by_class["embeddings"] - head
 
 
 def engram_host_bytes(plan: Plan, fp: Footprint) -> int:
@@ -247,7 +248,7 @@ def breakdown(plan: Plan, fp: Footprint, on_cpu: bool) -> dict:
         return {"host": host, "device": {}}
     host.update({"shared experts": fp.bytes_by_class["shared_expert"],
                  "forward temporaries (CPU share)": transient_bytes(plan, fp, "host")})
-    device = {"dense (fp8 as stored) + LM head, embedding table": dense_host_bytes(fp) - fp.bytes_by_class["shared_expert"],
+    device = {"dense (fp8 as stored) + LM head (float32), embedding table": dense_host_bytes(fp, on_cpu=False) - fp.bytes_by_class["shared_expert"],
               "drafter dense": fp.drafter_dense_bytes,
               "KV states at max_context (max_num_seqs)": kv_states_bytes(plan, fp),
               "largest forward's temporaries": transient_bytes(plan, fp, "device"),

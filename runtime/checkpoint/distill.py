@@ -58,6 +58,7 @@ def distill_drafter(root, n_tokens: int | None = None) -> dict:
     from tokenizers import Tokenizer
 
     from runtime.engine import Engine
+    from runtime.model.weights import dense_tensor
     from runtime.plan import Plan
     from runtime.workload import make_prompt
     ck = Checkpoint(root)
@@ -84,9 +85,9 @@ def distill_drafter(root, n_tokens: int | None = None) -> dict:
         hs = [rms(st.target_hidden[t][:-1], w["mtp.0.hnorm.weight"]) for t in cfg.dspark_target_layer_ids]
         X = torch.cat([emb] + hs, 1)                                          # [n-1, (1+T) H]
         Y = st.final_hidden[1:].double()
-        target = (rms(Y, w["norm.weight"]) @ w["head.weight"].double().T).argmax(-1)   # the target's next tokens
+        target = (rms(Y, w["norm.weight"]) @ dense_tensor(w["head.weight"]).T).argmax(-1)   # the target's next tokens
         Y = Y * torch.rsqrt(Y.pow(2).mean(-1, keepdim=True) + eps)            # [n-1, H]: the final norm drops the scale
-        head, g = w["head.weight"].double(), w["mtp.norm.weight"]
+        head, g = dense_tensor(w["head.weight"]), w["mtp.norm.weight"]
 
         def agree(W, rows):                                                   # drafts == the target's argmax
             out = rms(X[rows] @ W.T, g)

@@ -33,11 +33,10 @@ import torch
 
 from kernels.engram_hash import engram_rows, slot_ranges, slot_seeds
 from kernels.formats import dequantize_fp4_e4m3
-from kernels.fp8_dense import Fp8Weight, fp8_linear
 from runtime.config import ModelConfig
 from runtime.model.attention import attend, attend_decode, select
 from runtime.model.kv import SeqState
-from runtime.model.weights import DeviceFp8Weight
+from runtime.model.weights import linear
 
 
 def rmsnorm(x, w=None, eps=1e-6):
@@ -102,13 +101,7 @@ class Model:
         return SeqState.new(self.cfg, max_context, spare, self.dtype, self.device)
 
     def L(self, name, x):
-        w = self.w[name + ".weight"]
-        if isinstance(w, Fp8Weight):                       # fp8 as stored: decoded in the kernel
-            return fp8_linear(x, w).to(self.dtype)
-        if isinstance(w, DeviceFp8Weight):                 # fp8 as stored on the device: the Triton kernel
-            from kernels.triton_gpu import fp8_block_matmul
-            return fp8_block_matmul(x.to(torch.float32), w.q, w.scale, w.block).to(self.dtype)
-        return x @ w.T
+        return linear(x, self.w[name + ".weight"], self.dtype)
 
     # ------------------------------------------------------------------ forward
     def forward(self, st: SeqState, tokens: list[int], decoder_start: int = 0) -> torch.Tensor | None:
@@ -168,7 +161,7 @@ class Model:
             sg.st.pos += sg.T
             sg.st.final_hidden = h[sg.a:sg.b]
         t0 = time.perf_counter()
-        logits = rmsnorm(h, self.w["norm.weight"], c.rms_norm_eps) @ self.w["head.weight"].T
+        logits = self.L("head", rmsnorm(h, self.w["norm.weight"], c.rms_norm_eps))
         self.phases.add("dense", t0)
         return [logits[sg.a:sg.b] for sg in segs]
 
@@ -270,7 +263,7 @@ class Model:
             z = torch.zeros(T, 1, dtype=torch.long, device=self.device)
             return z, z.bool()
         qi = self.L(f"layers.{x}.attn.wi_q", ql).view(T, c.index_n_heads, c.index_head_dim)
-        wh = a @ self.w[f"layers.{x}.attn.wi_w.weight"].T                    # [T, Hi]
+        wh = self.L(f"layers.{x}.attn.wi_w", a)                              # [T, Hi]
         idx, ok, peak = select(src, qi, wh, pos, c.window_size, c.index_topk, self.dtype, self.device)
         st.indexer_peak_bytes = max(st.indexer_peak_bytes, peak)
         return idx, ok
@@ -283,7 +276,7 @@ class Model:
             ids = w[f"layers.{i}.ffn.tid2eid"][tok]
             wts = torch.full(ids.shape, 1.0 / c.num_experts_per_tok, dtype=self.dtype, device=self.device)
         else:
-            scores = torch.sigmoid(m @ w[f"layers.{i}.ffn.gate.weight"].T)
+            scores = torch.sigmoid(self.L(f"layers.{i}.ffn.gate", m))
             ids = torch.topk(scores + w[f"layers.{i}.ffn.gate.bias"], c.num_experts_per_tok, dim=-1).indices
             wts = scores.gather(1, ids)
             wts = wts / wts.sum(-1, keepdim=True) * c.routed_scaling_factor
@@ -331,11 +324,11 @@ class Model:
             cw = rmsnorm(self.L(f"{p}.attn.wkv", a), w[f"{p}.attn.kv_norm.weight"], c.rms_norm_eps)
             x = x + self.L(f"{p}.attn.wo", cw.repeat(1, c.num_attention_heads))  # one key: softmax = 1
             m = rmsnorm(x, w[f"{p}.ffn_norm.weight"], c.rms_norm_eps)
-            scores = torch.sigmoid(m @ w[f"{p}.ffn.gate.weight"].T)
+            scores = torch.sigmoid(self.L(f"{p}.ffn.gate", m))
             ids = torch.topk(scores + w[f"{p}.ffn.gate.bias"], c.num_experts_per_tok, dim=-1).indices
             wts = scores.gather(1, ids)
             wts = wts / wts.sum(-1, keepdim=True) * c.routed_scaling_factor
             x = x + self.experts.drafter_moe(k, m, ids, wts)
         self.phases.add("dspark_draft", t0)
         out = rmsnorm(x, w["mtp.norm.weight"], c.rms_norm_eps)
-        return (out @ w["head.weight"].T)[0], x[0]
+        return self.L("head", out)[0], x[0]

@@ -6,7 +6,9 @@ With keep_fp8 fp8 linears stay as stored (1 B per weight + E8M0 block scales): o
 tensors under TRITON_INTERPRET=1 in tests) a `DeviceFp8Weight` on `device`, computed by the Triton
 kernel kernels/triton_gpu.py fp8_block_matmul (square blocks; others are dequantized). Without
 keep_fp8 (the float64 reference) they are dequantized with the config's block size. BF16/F32 become
-`dtype`, except the embedding table, kept as stored when keep_fp8 (rows are looked up a few at a time).
+`dtype`, except with keep_fp8: the embedding table stays as stored (rows are looked up a few at a
+time) and, on the CPU, the BF16 matrices (LM head, routers, indexer head weights) become `Bf16Weight`s
+(as stored, 2 B per weight, computed by kernels/bf16_dense.py).
 Experts are never dequantized here: `expert_raw` hands the checkpoint's codes and scales to the
 placement layer, which builds banks from them.
 """
@@ -17,8 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.bf16_dense import Bf16Weight, bf16_linear
 from kernels.formats import dequantize_fp8_block
-from kernels.fp8_dense import Fp8Weight
+from kernels.fp8_dense import Fp8Weight, fp8_linear
 from runtime.checkpoint.layout import tensor_specs
 from runtime.checkpoint.reader import Checkpoint
 
@@ -32,6 +35,27 @@ class DeviceFp8Weight:
     @property
     def nbytes(self) -> int:
         return self.q.numel() + self.scale.numel()
+
+
+def linear(x: torch.Tensor, w, dtype=torch.float32) -> torch.Tensor:
+    """x [T, K] @ W.T for a weight in any form load_dense holds -> `dtype` [T, N]."""
+    if isinstance(w, Fp8Weight):                       # fp8 as stored: decoded in the kernel
+        return fp8_linear(x, w).to(dtype)
+    if isinstance(w, Bf16Weight):                      # BF16 as stored (the CPU): widened in the kernel
+        return bf16_linear(x, w).to(dtype)
+    if isinstance(w, DeviceFp8Weight):                 # fp8 as stored on the device: the Triton kernel
+        from kernels.triton_gpu import fp8_block_matmul
+        return fp8_block_matmul(x.to(torch.float32), w.q, w.scale, w.block).to(dtype)
+    return x @ w.T
+
+
+def dense_tensor(w, dtype=torch.float64) -> torch.Tensor:
+    """A held weight as a plain `dtype` tensor (offline work: distillation, tests)."""
+    if isinstance(w, (Fp8Weight, Bf16Weight)):
+        return w.reference(dtype)
+    if isinstance(w, DeviceFp8Weight):
+        return dequantize_fp8_block(w.q.cpu(), w.scale.cpu(), w.block, dtype)
+    return w.to(dtype)
 
 
 def load_dense(ck: Checkpoint, dtype=torch.float32, device="cpu", keep_fp8: bool = False, fp8_kernel: str = "numba") -> dict:
@@ -56,6 +80,9 @@ def load_dense(ck: Checkpoint, dtype=torch.float32, device="cpu", keep_fp8: bool
             t = dequantize_fp8_block(t, scale, cfg.fp8_block, dtype)
         elif s.name == "embed.weight" and keep_fp8:    # looked up a few rows at a time: kept as stored
             t = t.clone()
+        elif s.dtype == "BF16" and len(s.shape) == 2 and keep_fp8 and fp8_kernel == "numba":
+            out[s.name] = Bf16Weight.from_tensor(t)     # as stored: the BF16 GEMV reads 2 B per weight
+            continue
         elif s.dtype == "I32":
             t = t.to(torch.int64)
         else:

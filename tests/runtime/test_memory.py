@@ -1,6 +1,7 @@
 """What the runtime holds is what the plan counts (runtime/budget.py is the one accounting)."""
 import torch
 
+from kernels.bf16_dense import Bf16Weight
 from kernels.fp8_dense import Fp8Weight
 from runtime.budget import dense_host_bytes, host_bytes
 from runtime.engine import Engine
@@ -8,7 +9,7 @@ from runtime.plan import Plan
 
 
 def _held(t) -> int:
-    return t.nbytes if isinstance(t, Fp8Weight) else t.element_size() * t.nelement()
+    return t.nbytes                                    # Fp8Weight, Bf16Weight and tensors: the bytes held
 
 
 def test_dense_weights_are_held_as_fp8_and_counted(tiny_dir):
@@ -19,6 +20,8 @@ def test_dense_weights_are_held_as_fp8_and_counted(tiny_dir):
         fp8 = [k for k, s in e.ck.infos.items() if s.dtype == "F8_E4M3" and ".engram.embed" not in k and k in w]
         assert fp8 and all(isinstance(w[k], Fp8Weight) for k in fp8)           # no float32 copy of a linear
         assert w["embed.weight"].dtype == torch.bfloat16                       # the table as stored
+        bf16 = [k for k, s in e.ck.infos.items() if s.dtype == "BF16" and len(s.shape) == 2 and k in w and k != "embed.weight"]
+        assert "head.weight" in bf16 and all(isinstance(w[k], Bf16Weight) for k in bf16)   # head, routers as stored
         held = sum(_held(t) for k, t in w.items() if not k.startswith("mtp."))
         planned = dense_host_bytes(fp) - fp.bytes_by_class["shared_expert"]
         assert abs(held - planned) <= 0.10 * planned, (held, planned)           # norms/biases as float32: the gap

@@ -1,0 +1,98 @@
+"""The BF16 dense kernel (LM head, routers) against float64 over the same BF16 values: every ISA path
+this CPU can run, GEMV and tile widths, K off the SIMD width, batch and thread invariance."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from hostinfo import isa
+from kernels.bf16_dense import TILE_MIN_TOKENS, UNROLL, Bf16Weight, bf16_linear, simd_ok
+from kernels.cpu_moe import LANES
+
+RTOL = 1e-5          # fp32 sums of exact products (a BF16 weight widens exactly) against float64
+
+
+def _weight(seed, N, K):
+    g = torch.Generator().manual_seed(seed)
+    return Bf16Weight.from_tensor((torch.randn(N, K, generator=g) * 0.05).bfloat16())
+
+
+def _rel(y, ref):
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("N,K", [(96, 128), (37, 320), (100, 70), (64, 5120)])
+@pytest.mark.parametrize("T", [1, 2, 3, 5, TILE_MIN_TOKENS, 40])
+def test_matches_the_float64_reference(N, K, T):
+    w = _weight(N * K + T, N, K)
+    x = torch.randn(T, K, generator=torch.Generator().manual_seed(T))
+    assert _rel(bf16_linear(x, w), x.double() @ w.reference().T) < RTOL
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 70), st.integers(1, 6).map(lambda m: m * 64), st.integers(1, 6), st.integers(0, 2**31))
+def test_fresh_shapes_and_inputs_match_the_reference(N, K, T, seed):
+    w = _weight(seed, N, K)
+    x = torch.randn(T, K, generator=torch.Generator().manual_seed(seed)) * 3
+    ref = x.double() @ w.reference().T
+    assert _rel(bf16_linear(x, w), ref) < RTOL or float(ref.norm()) == 0.0
+
+
+def test_every_bf16_value_widens_exactly():
+    """One row per BF16 bit pattern (NaN aside): x = e_0 picks the weight out exactly."""
+    bits = np.array([b for b in range(1 << 16) if (b & 0x7F80) != 0x7F80 or not b & 0x7F], np.uint16)
+    K = UNROLL * max(LANES, 16)                              # the SIMD width where there is one
+    q = np.zeros((len(bits), K), np.uint16)
+    q[:, 0] = bits
+    x = torch.zeros(1, K)
+    x[0, 0] = 1.0
+    want = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).to(torch.float32)
+    got = bf16_linear(x, Bf16Weight(q))[0]
+    assert torch.equal(got, want) and simd_ok(Bf16Weight(q)) == (isa() != "scalar")
+
+
+def test_a_token_gives_the_same_bits_alone_or_in_a_batch():
+    w = _weight(3, 128, 256)
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(1))
+    batch = bf16_linear(x, w)
+    for t in range(7):
+        assert torch.equal(batch[t], bf16_linear(x[t:t + 1], w)[0])
+
+
+def test_bad_weights_and_shapes_are_named():
+    with pytest.raises(ValueError, match="expected C-contiguous uint16"):
+        Bf16Weight(np.zeros((4, 64), np.float32))
+    with pytest.raises(ValueError, match="expected bfloat16"):
+        Bf16Weight.from_tensor(torch.zeros(4, 64))
+    with pytest.raises(ValueError, match="x has 32 inputs"):
+        bf16_linear(torch.zeros(1, 32), _weight(0, 64, 64))
+
+
+SCRIPT = """
+import numpy as np, sys, torch
+sys.path.insert(0, {tests!r})
+from test_bf16_dense import _weight
+from kernels.bf16_dense import bf16_linear
+w = _weight(7, 96, 320)
+x = torch.randn(3, 320, generator=torch.Generator().manual_seed(2))
+ys = [bf16_linear(x, w, threads=t).numpy() for t in (1, 3, 4)]
+ref = (x.double() @ w.reference().T).numpy()
+print(float(np.linalg.norm(ys[0] - ref) / np.linalg.norm(ref)), all(np.array_equal(ys[0], y) for y in ys))
+"""
+
+
+@pytest.mark.parametrize("path", ["avx512", "avx2", "scalar"])
+def test_every_isa_path_and_thread_count(path):
+    order = ["scalar", "avx2", "avx512", "avx512vnni"]
+    if order.index(path) > order.index(isa()):
+        pytest.skip(f"this CPU's widest path is {isa()}, not {path}")
+    env = dict(os.environ, DSV41_CPU_ISA=path, NUMBA_NUM_THREADS="4")
+    out = subprocess.run([sys.executable, "-c", SCRIPT.format(tests=os.path.dirname(__file__))], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    err, same = out.stdout.split()
+    assert float(err) < RTOL and same == "True"
