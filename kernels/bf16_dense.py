@@ -5,13 +5,17 @@ stored: 2 B per weight read per decode step, not the 4 B of a float32 copy.
 
 A BF16 value is the top half of its float32: widening is a 16-bit shift, exact. So every product is
 the float32 one; only the order of the sums is the kernel's own.
-  T < TILE_MIN_TOKENS   GEMV: `bf16_dot` (below) widens each row in registers, one row per call (each
+  GEMV                  `bf16_dot` (below) widens each row in registers, one row per call (each
                         thread one sequential stream), up to 4 inputs per widening; UNROLL vector
                         accumulators per (row, input), added in a fixed order (bit-identical for any
-                        thread count, and a token's output is the same alone or in a batch)
-  T >= TILE_MIN_TOKENS  prefill widths (and hosts without SIMD, or K not a multiple of the unrolled
-                        width): TILE_ROWS rows widened into a float32 tile with torch and multiplied
-                        there; never the whole matrix
+                        thread count, and a token's output is the same alone or in a batch). At decode
+                        widths (T < TILE_MIN_TOKENS), and at every width for a matrix of at most
+                        GEMV_ANY_WIDTH_BYTES (the routers: a token's routing must not depend on how many
+                        tokens share its pass; the matrix stays in cache, so re-reading it per 4 inputs
+                        costs compute, not DRAM)
+  tiles                 wide calls on large matrices (the LM head at prefill), hosts without SIMD, K not
+                        a multiple of the unrolled width: TILE_ROWS rows widened into a float32 tile with
+                        torch and multiplied there; never the whole matrix
 Roofline (V4.1, a CPU host): the head is 129280 x 5120, 1.32 GB per decoded token here against 2.65 GB
 as a float32 copy; the 43 routers 0.16 GB against 0.31 GB.
 """
@@ -32,6 +36,7 @@ from kernels.threads import set_threads
 
 TILE_MIN_TOKENS = 16
 TILE_ROWS = 256
+GEMV_ANY_WIDTH_BYTES = 8 << 20     # V4.1's router is 2.6 MB; its head 1.3 GB
 UNROLL = 4                         # independent FMA chains per (row, input): latency hidden
 
 
@@ -152,7 +157,7 @@ def bf16_linear(x: torch.Tensor, w: Bf16Weight, threads: int | None = None) -> t
     if K != Kw:
         raise ValueError(f"bf16_linear: x has {K} inputs, the weight is {N}x{Kw}")
     xf = x.detach().to(torch.float32).contiguous()
-    if T < TILE_MIN_TOKENS and simd_ok(w):
+    if (T < TILE_MIN_TOKENS or w.nbytes <= GEMV_ANY_WIDTH_BYTES) and simd_ok(w):
         set_threads(threads)
         out = np.empty((T, N), np.float32)
         _gemv_simd(w.bits, xf.numpy(), out)

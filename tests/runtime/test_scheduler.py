@@ -56,10 +56,23 @@ def run(sched, arrivals, cancel_at=None):
     return step
 
 
-def test_each_sequence_decodes_as_it_would_alone(ck):
+@pytest.fixture(params=["shipped", "width-invariant"])
+def widths(request, monkeypatch):
+    """shipped: the linears as they run (a pass of >= 16 tokens takes the tile path of the FP8 and BF16
+    kernels, a narrower one the GEMV: the same token sums in another order depending on how many tokens
+    share its pass). width-invariant: every linear on its GEMV, whose output per token does not depend
+    on the pass's width; then sharing passes leaves float32 rounding only (`_matches_alone`)."""
+    if request.param == "width-invariant":
+        import kernels.bf16_dense
+        import kernels.fp8_dense
+        monkeypatch.setattr(kernels.fp8_dense, "TILE_MIN_TOKENS", 1 << 30)
+        monkeypatch.setattr(kernels.bf16_dense, "TILE_MIN_TOKENS", 1 << 30)
+    return request.param
+
+
+def test_each_sequence_decodes_as_it_would_alone(ck, widths):
     """Mixed prompt lengths, arrivals at different steps, one cancelled mid-way: each finished
-    sequence's logits match its run alone within the runtime's tolerance at every step, and its
-    greedy tokens match up to the first step whose top-2 margin is inside 20x that tolerance."""
+    sequence decodes as it does alone (`_matches_alone`)."""
     lens, outs = (5, 40, 23, 9, 61), (12, 6, 16, 9, 4)
     seqs = [Sequence(_prompt(ck, n, seed), m, keep_logits=[]) for seed, (n, m) in enumerate(zip(lens, outs))]
     e = Engine(ck, BATCH)
@@ -68,30 +81,37 @@ def test_each_sequence_decodes_as_it_would_alone(ck):
     finally:
         e.close()
     assert seqs[3].finished and len(seqs[3].tokens) < seqs[3].max_tokens          # cancelled: dropped early
-    _matches_alone(ck, BATCH, [s for s in seqs if s is not seqs[3]])
+    _matches_alone(ck, BATCH, [s for s in seqs if s is not seqs[3]], invariant=widths == "width-invariant")
 
 
-def _matches_alone(ck, plan, seqs):
-    """Each finished sequence's greedy tokens match its run alone up to the first step whose top-2
-    margin is inside 20x the runtime's tolerance, and the median step's logits agree within 1e-5. Not
-    every step's: a batched pass sums in another order than a lone one (~1e-7 on an expert input), and
-    where that puts an input on a rounding midpoint of the int8-per-32 quantizer it moves one code;
-    such a step's logits move by up to ~1e-2 (8.8e-3 seen), and no margin predicts it
+def _matches_alone(ck, plan, seqs, invariant: bool):
+    """invariant (the linears width-invariant): every step's token equals its run alone and its logits
+    lie within 1e-5 (1.2e-6 seen: attention over a batch of sequences sums their padded selected rows
+    in another order; 0.0 in the DSpark case). Else (the linears as shipped) the greedy tokens match
+    up to the first step whose top-2 margin is inside 20x the runtime's tolerance, and every step's
+    logits lie within 2e-2: a chunk that crosses the 16-token tile width in one run and not the other
+    sums some tokens in another order (~1e-7 relative), and where that puts a value on a rounding
+    midpoint of a quantizer it moves one code: an expert input's int8 code moves a step's logits by up
+    to ~1e-2 (1.1e-2 seen), a cached FP4 latent's by ~1e-5-1e-4 (8e-5 seen); no margin predicts either
     (tests/runtime/test_dspark.py)."""
     diffs = []
     for s in seqs:
         ref = alone(ck, plan, s.prompt, s.max_tokens)
         assert len(s.tokens) == len(ref.tokens)
+        if invariant:
+            assert s.tokens == ref.tokens
+            diffs += [float((a.double() - b.double()).abs().max()) for a, b in zip(s.keep_logits, ref.logits)]
+            continue
         for k, (a, b) in enumerate(zip(s.keep_logits, ref.logits)):
             diffs.append(float((a.double() - b.double()).abs().max()))
             top = torch.topk(b, 2).values
             if float(top[0] - top[1]) <= 20 * TOL:
                 break
             assert s.tokens[k] == ref.tokens[k], (len(s.prompt), k)
-    assert len(diffs) >= len(seqs) and sorted(diffs)[len(diffs) // 2] < 1e-5, diffs
+    assert len(diffs) >= len(seqs) and max(diffs) < (1e-5 if invariant else 2e-2), diffs
 
 
-def test_dspark_composes_each_sequences_drafts_verified_in_the_same_step(ck):
+def test_dspark_composes_each_sequences_drafts_verified_in_the_same_step(ck, widths):
     """DSpark with continuous batching: every decoding sequence drafts and is verified in one batched
     pass; greedy output is each sequence's output alone (itself DSpark-verified: lossless)."""
     plan = BATCH.replace(dspark=True, draft_length=2)
@@ -100,15 +120,16 @@ def test_dspark_composes_each_sequences_drafts_verified_in_the_same_step(ck):
     try:
         sched = Scheduler(e)
         assert sched.speculative
-        widths = []
-        sched.model.forward_many = (lambda f: lambda states, toks, *a: widths.append([len(t) for t in toks]) or f(states, toks, *a))(
+        widths_seen = []
+        sched.model.forward_many = (lambda f: lambda states, toks, *a: widths_seen.append([len(t) for t in toks]) or f(states, toks, *a))(
             sched.model.forward_many)
         run(sched, {0: seqs[:2], 2: seqs[2:]})
     finally:
         e.close()
-    assert any(sum(w == 3 for w in ws) >= 2 for ws in widths)          # two sequences' verify blocks in one pass
+    assert any(sum(w == 3 for w in ws) >= 2 for ws in widths_seen)     # two sequences' verify blocks in one pass
+    assert any(sum(ws) >= 16 for ws in widths_seen)                     # and passes past the tile width
     assert sum(s.spec["drafted"] for s in seqs) > 0 and all(s.spec["accepted"] <= s.spec["drafted"] for s in seqs)
-    _matches_alone(ck, plan, seqs)
+    _matches_alone(ck, plan, seqs, invariant=widths == "width-invariant")
 
 
 def test_the_step_budget_interleaves_a_long_prefill_with_the_streams(ck):
