@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from hostinfo import isa
-from kernels.bf16_dense import TILE_MIN_TOKENS, UNROLL, Bf16Weight, bf16_linear, simd_ok
+from kernels.bf16_dense import GEMV_ANY_WIDTH_BYTES, TILE_MIN_TOKENS, UNROLL, Bf16Weight, bf16_linear, simd_ok
 from kernels.cpu_moe import LANES
 
 RTOL = 1e-5          # fp32 sums of exact products (a BF16 weight widens exactly) against float64
@@ -61,6 +61,16 @@ def test_a_token_gives_the_same_bits_alone_or_in_a_batch():
     batch = bf16_linear(x, w)
     for t in range(7):
         assert torch.equal(batch[t], bf16_linear(x[t:t + 1], w)[0])
+
+
+def test_a_cache_sized_matrix_gives_a_token_the_same_bits_at_any_width():
+    """Routers (<= GEMV_ANY_WIDTH_BYTES) stay on the GEMV past the tile width: a token's routing does not
+    depend on how many tokens share its pass."""
+    w = _weight(5, 256, 512)
+    assert w.nbytes <= GEMV_ANY_WIDTH_BYTES and simd_ok(w) == (isa() != "scalar")
+    x = torch.randn(2 * TILE_MIN_TOKENS + 3, 512, generator=torch.Generator().manual_seed(4))
+    wide = bf16_linear(x, w)
+    assert all(torch.equal(wide[t], bf16_linear(x[t:t + 1], w)[0]) for t in range(len(x))) or isa() == "scalar"
 
 
 def test_bad_weights_and_shapes_are_named():
