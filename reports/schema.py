@@ -17,7 +17,7 @@ from pathlib import Path
 
 from runtime.profile import figure, io_path, load_profile
 
-PLAN_COLS = ("moe_strategy", "slot_cache_experts", "prefill_chunk", "engram_placement", "engram_io_depth", "dspark",
+PLAN_COLS = ("moe_strategy", "slot_cache_experts", "prefill_chunk", "engram_placement", "engram_io_depth", "engram_io_engine", "dspark",
              "draft_length", "cpu_threads")
 
 
@@ -45,6 +45,8 @@ def host_record(p: dict, name: str | None = None) -> dict:
     nv = m.get("nvme_randread_4k")
     for e in nv if isinstance(nv, list) else []:
         r[f"nvme_iops_qd{e['qd']}"] = e["iops"]
+        if e.get("engine"):                                # the fastest of the reader's engines there
+            r[f"nvme_engine_qd{e['qd']}"] = e["engine"]
     plan = p.get("plan") or {}
     for k in PLAN_COLS:
         r[f"plan_{k}"] = plan.get(k)

@@ -52,6 +52,8 @@ def test_report_renders_two_hosts_with_plots_and_html(shipped, tuned, bench_rows
     assert len(hosts) == 2 and "5090-epyc" in set(hosts["host"])
     assert set(hosts["figures"]) == {"published", "measured"}
     assert hosts["dram_gbs"].notna().all() and (hosts.filter(like="kernel_ratio_").notna().sum(axis=1) >= 1).all()
+    measured = hosts[hosts["figures"] == "measured"].iloc[0]       # the reader's fastest engine per depth, this host
+    assert measured.filter(like="nvme_engine_qd").isin(["uring", "aio", "threads"]).all() and len(measured.filter(like="nvme_engine_qd"))
     val = pd.read_csv(tmp_path / "validation.csv")
     assert len(val) >= 2 and val["measured_tok_s"].gt(0).all() and val["picked"].sum() == 1
     terms = pd.read_csv(tmp_path / "terms.csv")                                  # predicted vs measured per term
