@@ -65,11 +65,11 @@ def engines_here(path: Path, direct: bool = True) -> tuple[list[str], dict]:
     """The reader's engines this host serves O_DIRECT reads of `path` with -> (names in auto's order,
     {engine: why the kernel refused it}). Only the threads where O_DIRECT is refused (buffered reads never
     use the others) or where $DSV41_IO_ENGINE names one engine (a host override: only that one)."""
+    if not direct or o_direct_refusal(path):
+        return ["threads"], {}
     forced = os.environ.get("DSV41_IO_ENGINE", "auto")
     if forced != "auto":
         return [forced], {}
-    if not direct or o_direct_refusal(path):
-        return ["threads"], {}
     names, refused = [], {}
     for name, cls in ASYNC:
         ctx, why = cls.open(1)
@@ -84,26 +84,29 @@ def engines_here(path: Path, direct: bool = True) -> tuple[list[str], dict]:
 def randread_4k(path: Path, depth: int, n_reads: int, seed: int = 0, direct: bool = True, repeats: int = 3,
                 engines: list[str] | None = None) -> dict:
     """`repeats` rounds of n_reads / repeats random 4 KiB reads at `depth` through the runtime's reader,
-    one batch per engine each round (`engines`, default: the reader's auto; the order rotates every round:
-    interleaved, so a drift in the device hits every engine alike), after one warm-up batch each (opens,
-    the engine, the buffer's page faults: out of the timing). Each read lands in a ring of 2 x depth
-    blocks (`discard`: as fio reads, and as a decode step's Engram rows land in an arena the cache
-    holds). -> per engine: IOPS per batch (raw samples, median, min, max), p50/p95 per-read latency over
+    one batch of its own blocks per engine each round (`engines`, default: the reader's auto; the order
+    rotates every round: interleaved, so a drift in the device hits every engine alike; a block another
+    engine has just read may sit in a cache below the VM), after one warm-up batch each (opens, the
+    engine, the buffer's page faults: out of the timing). Each read lands in a ring of 2 x depth blocks
+    (`discard`: as fio reads, and as a decode step's Engram rows land in an arena the cache holds).
+    -> per engine: IOPS per batch (raw samples, median, min, max), p50/p95 per-read latency over
     all of them; the top-level figures are the fastest engine's (by median), named in `engine`."""
     size = path.stat().st_size
     per = max(1, n_reads // repeats)
     engines = engines or ["auto"]
-    blocks = np.random.default_rng(seed + depth).integers(0, size // BLOCK, per * repeats + per)
+    n_e = len(engines)
+    blocks = np.random.default_rng(seed + depth).integers(0, size // BLOCK, (per * repeats + per) * n_e)
     readers = {e: BatchedReader(depth=depth, direct=direct, engine=e, arena_bytes=None) for e in engines}   # no arena cap
     lat: dict = {e: [] for e in engines}
     iops: dict = {e: [] for e in engines}
     try:
-        for r in readers.values():            # warm-up: opens, the engine, the ring
-            r.read_blocks(str(path), blocks[per * repeats:], reuse=True, discard=True)
+        for i, r in enumerate(readers.values()):  # warm-up: opens, the engine, the ring
+            r.read_blocks(str(path), blocks[(repeats * n_e + i) * per:(repeats * n_e + i + 1) * per], reuse=True, discard=True)
         for k in range(repeats):
-            for e in engines[k % len(engines):] + engines[:k % len(engines)]:
+            for i in [(k + j) % n_e for j in range(n_e)]:
+                e, at = engines[i], (k * n_e + i) * per
                 t0 = time.perf_counter()
-                readers[e].read_blocks(str(path), blocks[k * per:(k + 1) * per], reuse=True, latencies=lat[e], discard=True)
+                readers[e].read_blocks(str(path), blocks[at:at + per], reuse=True, latencies=lat[e], discard=True)
                 iops[e].append(per / (time.perf_counter() - t0))
     finally:
         for r in readers.values():
