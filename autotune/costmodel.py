@@ -167,8 +167,9 @@ class _Ctx:
         self.path_bytes = dense_path_bytes(fp, on_cpu=not f.gpu)
         self.sources = dict(f.sources)
         if self.iops:
-            self.sources["engram_wait"] += (f" at QD {plan.engram_io_depth}, {plan.engram_placement} through the "
-                                            f"{plan.engram_io_engine} engine: {self.iops:,.0f} reads/s")
+            how = (f"through the {plan.engram_io_engine} engine" if plan.engram_placement == "nvme_direct" else
+                   "nvme_mmap's page faults at the reader's auto figure")
+            self.sources["engram_wait"] += f" at QD {plan.engram_io_depth}, {how}: {self.iops:,.0f} reads/s"
         self.notes = []
         self.extra = {}
 
