@@ -31,7 +31,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from kernels.cpu_moe import CACHE, LANES
-from kernels.fp4_simd import PREFETCH, _data_ptrs, _literal, _store_sums, f32, i8, i32, i64
+from kernels.fp4_simd import PREFETCH, _data_ptrs, _fma_prefetch, _literal, _store_sums, _zeroed_accs, f32, i8, i32, i64
 from kernels.threads import set_threads
 
 TILE_MIN_TOKENS = 16
@@ -88,13 +88,8 @@ def bf16_dot(typingctx, T_t, lanes_t, w, w_off, nchunks, x, x_off, x_stride, out
         _, _, _, w_off_v, nc, _, x_off_v, x_stride_v, _, o_off_v, o_stride_v = args
         vf, vh, vi = ir.VectorType(f32, lanes), ir.VectorType(ir.IntType(16), lanes), ir.VectorType(i32, lanes)
         wbase, xbase, obase = _data_ptrs(context, builder, signature.args, args, (2, 5, 8))
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{lanes}f32")
-        prefetch = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
-        accs = [[cgutils.alloca_once(builder, vf) for _ in range(UNROLL)] for _ in range(T)]
-        for row in accs:
-            for a in row:
-                builder.store(ir.Constant(vf, [0.0] * lanes), a)
+        fma, prefetch = _fma_prefetch(builder, vf, lanes)
+        accs = _zeroed_accs(builder, vf, T, UNROLL)
         toks_x = [builder.add(x_off_v, builder.mul(x_stride_v, ir.Constant(i64, j))) for j in range(T)]
         sixteen = ir.Constant(vi, [16] * lanes)
         with cgutils.for_range(builder, nc) as loop:

@@ -59,6 +59,23 @@ class _Decoder:
         return b.bitcast(b.xor(b.bitcast(mag, self.vi), sign), self.vf)
 
 
+def _fma_prefetch(builder, vf, lanes):
+    """The <lanes x float> FMA and the data-prefetch intrinsics, declared in this module."""
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{lanes}f32")
+    prefetch = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
+    return fma, prefetch
+
+
+def _zeroed_accs(builder, vf, rows, cols):
+    """rows x cols vector accumulators (stack slots), each set to zero."""
+    accs = [[cgutils.alloca_once(builder, vf) for _ in range(cols)] for _ in range(rows)]
+    for row in accs:
+        for a in row:
+            builder.store(ir.Constant(vf, [0.0] * vf.count), a)
+    return accs
+
+
 def _data_ptrs(context, builder, arg_types, arg_values, which):
     """The data pointers of the array arguments at positions `which`."""
     return [context.make_array(arg_types[i])(context, builder, arg_values[i]).data for i in which]

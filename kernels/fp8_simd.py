@@ -22,7 +22,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels.fp4_simd import PREFETCH, _data_ptrs, _literal, _splat, _store_sums, f32, i8, i32, i64
+from kernels.fp4_simd import PREFETCH, _data_ptrs, _fma_prefetch, _literal, _splat, _store_sums, _zeroed_accs, f32, i8, i32, i64
 
 i16, f16 = ir.IntType(16), ir.HalfType()
 UNDO = 256.0                      # the half decode's 2^-8, undone once per output (exact)
@@ -58,13 +58,8 @@ def fp8_dot(typingctx, R_t, T_t, lanes_t, q, q_off, q_stride, scales, s_off, s_s
         at = signature.args[3:]
         vf, vb = ir.VectorType(f32, lanes), ir.VectorType(i8, lanes)
         qbase, sbase, xbase, tbase, obase = _data_ptrs(context, builder, at, args[3:], (0, 3, 6, 9, 12))
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{lanes}f32")
-        prefetch = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
-        accs = [[cgutils.alloca_once(builder, vf) for _ in range(T)] for _ in range(R)]
-        for row in accs:
-            for a in row:
-                builder.store(ir.Constant(vf, [0.0] * lanes), a)
+        fma, prefetch = _fma_prefetch(builder, vf, lanes)
+        accs = _zeroed_accs(builder, vf, R, T)
         rows_q = [builder.add(q_off_v, builder.mul(q_stride_v, ir.Constant(i64, r))) for r in range(R)]
         rows_s = [builder.add(s_off_v, builder.mul(s_stride_v, ir.Constant(i64, r))) for r in range(R)]
         toks_x = [builder.add(x_off_v, builder.mul(x_stride_v, ir.Constant(i64, j))) for j in range(T)]

@@ -1,0 +1,47 @@
+"""The dense kernels (FP8 as stored, BF16 as stored) on every SIMD path this CPU can run, forced
+through $DSV41_CPU_ISA in a fresh process: against float64 over the same weights, and bit-identical
+for 1, 3 and 4 threads."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hostinfo import isa
+
+RTOL = 1e-5          # fp32 sums of exact products (or of <= a few hundred per FP8 block) against float64
+ORDER = ["scalar", "avx2", "avx512", "avx512vnni"]
+WEIGHTS = {
+    "fp8": """
+from kernels.fp8_dense import Fp8Weight, fp8_linear as linear
+rng = np.random.default_rng(7)
+q = rng.integers(0, 256, (96, 320)).astype(np.uint8)
+q[(q & 0x7F) == 0x7F] = 0x38                                  # no NaN codes
+w = Fp8Weight(q, (118 + rng.integers(0, 10, (3, 10))).astype(np.uint8), (32, 32))
+""",
+    "bf16": """
+from kernels.bf16_dense import Bf16Weight, bf16_linear as linear
+w = Bf16Weight.from_tensor((torch.randn(96, 320, generator=torch.Generator().manual_seed(7)) * 0.05).bfloat16())
+""",
+}
+SCRIPT = """
+import numpy as np, torch
+{weight}
+x = torch.randn(3, 320, generator=torch.Generator().manual_seed(2))
+ys = [linear(x, w, threads=t).numpy() for t in (1, 3, 4)]
+ref = (x.double() @ w.reference().T).numpy()
+print(float(np.linalg.norm(ys[0] - ref) / np.linalg.norm(ref)), all(np.array_equal(ys[0], y) for y in ys))
+"""
+
+
+@pytest.mark.parametrize("kernel", list(WEIGHTS))
+@pytest.mark.parametrize("path", ["avx512", "avx2", "scalar"])
+def test_every_isa_path_and_thread_count(kernel, path):
+    if ORDER.index(path) > ORDER.index(isa()):
+        pytest.skip(f"this CPU's widest path is {isa()}, not {path}")
+    env = dict(os.environ, DSV41_CPU_ISA=path, NUMBA_NUM_THREADS="4")
+    out = subprocess.run([sys.executable, "-c", SCRIPT.format(weight=WEIGHTS[kernel])], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    err, same = out.stdout.split()
+    assert float(err) < RTOL and same == "True"
