@@ -27,7 +27,7 @@ from autotune.figures import HostFigures, MissingFigure, gather_figures, is_gpu
 from runtime.budget import (dense_path_bytes, device_bytes, engram_host_bytes, host_bytes, indexer_bound_bytes, kv_states_bytes,
                             kv_state_bytes, staging_bytes)
 from runtime.checkpoint.footprint import Footprint
-from runtime.plan import Plan
+from runtime.plan import IO_ENGINES, Plan
 from runtime.workload import Workload
 
 __all__ = ["predict", "objective", "Prediction", "MissingFigure", "OS_HEADROOM", "GRAPHS_BYTES", "TERMS"]
@@ -61,7 +61,7 @@ class Prediction:
         return asdict(self)
 
 
-AUTO_ORDER = ("uring", "aio", "threads")       # the engine the reader's auto opens first (runtime/io_reader.py)
+AUTO_ORDER = IO_ENGINES[1:]                    # the reader's auto takes the first of these the kernel opens
 
 
 def _nvme_point(profile, depth: int) -> dict | None:

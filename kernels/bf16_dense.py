@@ -37,7 +37,7 @@ from kernels.threads import set_threads
 TILE_MIN_TOKENS = 16
 TILE_ROWS = 256
 GEMV_ANY_WIDTH_BYTES = 8 << 20     # V4.1's router is 2.6 MB; its head 1.3 GB
-UNROLL = 4                         # independent FMA chains per (row, input): latency hidden
+UNROLL = 4                         # independent FMA chains per (row, input): latency hidden (a power of 2)
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def bf16_dot(typingctx, T_t, lanes_t, w, w_off, nchunks, x, x_off, x_stride, out
     """bf16_dot(T, lanes, w, w_off, nchunks, x, x_off, x_stride, out, o_off, o_stride) (T, lanes literals):
     out[o_off + j*o_stride] = sum_k f32(w[w_off + k]) * x[x_off + j*x_stride + k] over k < nchunks *
     UNROLL * lanes, j < T: each chunk widens UNROLL vectors of the row once for all T inputs, one FMA chain
-    per vector; the chains are added (0 + 1) + (2 + 3), then one ordered reduction."""
+    per vector; the chains are added pairwise ((0 + 1) + (2 + 3)), then one ordered reduction."""
     T, lanes = _literal(T_t), _literal(lanes_t)
     if None in (T, lanes):
         return None
@@ -108,9 +108,9 @@ def bf16_dot(typingctx, T_t, lanes_t, w, w_off, nchunks, x, x_off, x_stride, out
         sums = []
         for j in range(T):
             a = [builder.load(p) for p in accs[j]]
-            s = cgutils.alloca_once(builder, vf)
-            builder.store(builder.fadd(builder.fadd(a[0], a[1]), builder.fadd(a[2], a[3])), s)
-            sums.append([s])
+            while len(a) > 1:                                          # pairwise: (0 + 1) + (2 + 3)
+                a = [builder.fadd(a[i], a[i + 1]) for i in range(0, len(a), 2)]
+            sums.append([cgutils.alloca_once_value(builder, a[0])])
         _store_sums(builder, list(zip(*sums)), vf, lanes, obase, o_off_v, o_stride_v, ir.Constant(i64, 0))
         return context.get_dummy_value()
     return sig, codegen

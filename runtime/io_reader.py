@@ -63,7 +63,7 @@ class ReadError(OSError):
         return self.strerror
 
 ENGINES = IO_ENGINES      # auto: io_uring, else kernel AIO (O_DIRECT only), else threads
-ASYNC = (("uring", UringContext), ("aio", AioContext))   # auto's order
+ASYNC = (("uring", UringContext), ("aio", AioContext))   # auto's order (IO_ENGINES'), threads last
 PIECE = 1 << 20          # large requests are split into 1 MiB pieces so depth applies to them too
 
 

@@ -17,7 +17,8 @@ PLACEMENTS = ("host", "nvme_direct", "nvme_mmap")
 NVME_PATHS = ("nvme_direct", "nvme_mmap")
 PREFILL_MODES = ("full", "bounded_replay")
 PREFILL_MOE_PATHS = ("cpu", "device")
-IO_ENGINES = ("auto", "uring", "aio", "threads")   # the batched reader's (runtime/io_reader.py); auto: the first the kernel opens
+IO_ENGINES = ("auto", "uring", "aio", "threads")   # the batched reader's (runtime/io_reader.py); auto: the first of
+                                                     # the others, in this order, that the kernel opens
 
 
 class PlanError(ValueError):

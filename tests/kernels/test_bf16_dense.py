@@ -64,11 +64,13 @@ def test_a_token_gives_the_same_bits_alone_or_in_a_batch():
 def test_a_cache_sized_matrix_gives_a_token_the_same_bits_at_any_width():
     """Routers (<= GEMV_ANY_WIDTH_BYTES) stay on the GEMV past the tile width: a token's routing does not
     depend on how many tokens share its pass."""
+    if isa() == "scalar":
+        pytest.skip("no SIMD path here: every width takes torch's tiles (speed and invariance are not goals there)")
     w = _weight(5, 256, 512)
-    assert w.nbytes <= GEMV_ANY_WIDTH_BYTES and simd_ok(w) == (isa() != "scalar")
+    assert w.nbytes <= GEMV_ANY_WIDTH_BYTES and simd_ok(w)
     x = torch.randn(2 * TILE_MIN_TOKENS + 3, 512, generator=torch.Generator().manual_seed(4))
     wide = bf16_linear(x, w)
-    assert all(torch.equal(wide[t], bf16_linear(x[t:t + 1], w)[0]) for t in range(len(x))) or isa() == "scalar"
+    assert all(torch.equal(wide[t], bf16_linear(x[t:t + 1], w)[0]) for t in range(len(x)))
 
 
 def test_bad_weights_and_shapes_are_named():
