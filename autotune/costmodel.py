@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass, field
 
 from autotune import terms as T
 from autotune.figures import HostFigures, MissingFigure, gather_figures, is_gpu
-from runtime.budget import (dense_path_bytes, device_bytes, engram_host_bytes, host_bytes, indexer_bound_bytes, kv_states_bytes,
-                            kv_state_bytes, staging_bytes)
+from runtime.budget import (dense_path_bytes, device_bytes, drafter_dense_bytes, engram_host_bytes, host_bytes,
+                            indexer_bound_bytes, kv_states_bytes, kv_state_bytes, staging_bytes)
 from runtime.checkpoint.footprint import Footprint
 from runtime.plan import IO_ENGINES, Plan
 from runtime.workload import Workload
@@ -203,7 +203,7 @@ def decode_terms(c: _Ctx) -> dict:
         a = T.accepted_per_step(p, d)
     experts = _step_experts(f, fp, n, d + 1)
     step = c.forward(n * (d + 1), ctx, n_experts=experts, sequences=n)
-    step["draft"] = n * d * T.draft(f, fp, _head_bytes(fp, f.gpu))
+    step["draft"] = n * d * T.draft(f, fp, drafter_dense_bytes(fp, on_cpu=not f.gpu) + _head_bytes(fp, f.gpu))
     c.extra = {"concurrency": n}
     if d:
         c.extra.update(dspark_accepted=a, dspark_union_experts=experts)

@@ -112,14 +112,13 @@ def engram_wait(plan: Plan, fp: Footprint, t_io: float, t_layer: float) -> float
     return sum(max(0.0, t_io - t_layer * l) for l in fp.engram_layer_ids)
 
 
-def draft(f: HostFigures, fp: Footprint, head_bytes: int) -> float:
+def draft(f: HostFigures, fp: Footprint, dense_b: int) -> float:
     """One drafted token: the drafter's routed top-k + shared experts on the CPU kernel (its experts
     live in host RAM: runtime/experts.py drafter_moe), its dense part and the shared LM head where the
-    dense weights are (device on a GPU host, else the CPU dense path)."""
+    dense weights are (device on a GPU host, else the CPU dense path): `dense_b` bytes, as held."""
     if not fp.dspark_num_layers:
         return 0.0
     moe_b = (fp.top_k + (1 if fp.bytes_by_class.get("shared_expert") else 0)) * fp.drafter_expert_bytes
-    dense_b = fp.drafter_dense_bytes + head_bytes
     bw = f.dev_mem if f.gpu else (f.dense_path or f.dram)
     return fp.dspark_num_layers * 2 * f.fixed_cpu + moe_b / (f.cpu * 1e9) + dense_b / (bw * 1e9)
 

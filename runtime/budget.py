@@ -183,11 +183,11 @@ def staging_bytes(plan: Plan, fp: Footprint) -> int:
 
 
 def dense_path_bytes(fp: Footprint, on_cpu: bool = True) -> int:
-    """Bytes the runtime's dense path reads per decoded token, shared expert aside: the fp8 linears as
-    stored (the `dense` class, with its BF16 routers: kernels/fp8_dense.py, kernels/bf16_dense.py on the
-    CPU) and the LM head: as stored (BF16) on the CPU, a float32 copy (2x) on a device."""
+    """Bytes the runtime's dense path reads per decoded token, shared expert aside: the `dense` class
+    and the LM head as held (footprint.held_bytes): fp8 linears as stored; BF16 matrices (head, routers)
+    as stored on the CPU (kernels/fp8_dense.py, kernels/bf16_dense.py), float32 copies on a device."""
     head = fp.dense_bytes_per_token - fp.bytes_by_class["shared_expert"] - fp.bytes_by_class["dense"]
-    return fp.bytes_by_class["dense"] + head * (1 if on_cpu else 2)
+    return fp.bytes_by_class["dense"] + head + fp.widened_bytes["cpu" if on_cpu else "device"]
 
 
 def dense_host_bytes(fp: Footprint, on_cpu: bool = True) -> int:
@@ -197,6 +197,11 @@ def dense_host_bytes(fp: Footprint, on_cpu: bool = True) -> int:
     `embeddings` class is the table + the head."""
     head = fp.dense_bytes_per_token - fp.bytes_by_class["shared_expert"] - fp.bytes_by_class["dense"]
     return dense_path_bytes(fp, on_cpu) + fp.bytes_by_class["shared_expert"] + fp.bytes_by_class["embeddings"] - head
+
+
+def drafter_dense_bytes(fp: Footprint, on_cpu: bool = True) -> int:
+    """The drafter's dense tensors as held (loaded with the dense weights, wherever they are)."""
+    return fp.drafter_dense_bytes + fp.drafter_widened_bytes["cpu" if on_cpu else "device"]
 
 
 def engram_host_bytes(plan: Plan, fp: Footprint) -> int:
@@ -242,14 +247,15 @@ def breakdown(plan: Plan, fp: Footprint, on_cpu: bool) -> dict:
             "drafter experts": drafter_expert_bytes(plan, fp), "O_DIRECT read arenas": read_arena_bytes(plan, fp)}
     if on_cpu:
         host.update({"dense, shared experts, embeddings (as held)": dense_host_bytes(fp),
-                     "drafter dense": fp.drafter_dense_bytes,
+                     "drafter dense": drafter_dense_bytes(fp),
                      "KV states at max_context (max_num_seqs)": kv_states_bytes(plan, fp),
                      "largest forward's temporaries": transient_bytes(plan, fp, "cpu")})
         return {"host": host, "device": {}}
     host.update({"shared experts": fp.bytes_by_class["shared_expert"],
                  "forward temporaries (CPU share)": transient_bytes(plan, fp, "host")})
-    device = {"dense (fp8 as stored) + LM head (float32), embedding table": dense_host_bytes(fp, on_cpu=False) - fp.bytes_by_class["shared_expert"],
-              "drafter dense": fp.drafter_dense_bytes,
+    device = {"dense (fp8 as stored, BF16 as float32), LM head (float32), embedding table":
+              dense_host_bytes(fp, on_cpu=False) - fp.bytes_by_class["shared_expert"],
+              "drafter dense": drafter_dense_bytes(fp, on_cpu=False),
               "KV states at max_context (max_num_seqs)": kv_states_bytes(plan, fp),
               "largest forward's temporaries": transient_bytes(plan, fp, "device"),
               "slot cache": plan.slot_cache_experts * fp.expert_bytes,

@@ -10,6 +10,9 @@ Per-token figures:
   dense_bytes_per_token         = dense/attention (incl. Engram gate projections) + shared experts +
                                   LM head: what every decoded token reads outside the routed experts
                                   (Engram tables and the drafter excluded)
+  widened_bytes                 = {"cpu", "device"}: bytes the runtime holds for the dense path
+                                  (dense class + LM head) beyond their stored bytes (`held_bytes`)
+  drafter_widened_bytes         = the same for the drafter's dense tensors
 """
 from __future__ import annotations
 
@@ -67,6 +70,8 @@ class Footprint:
     dspark_num_layers: int = 0
     dspark_n_routed_experts: int = 0
     shard_bytes: dict = field(default_factory=dict)   # shard file name -> bytes
+    widened_bytes: dict = field(default_factory=lambda: {"cpu": 0, "device": 0})
+    drafter_widened_bytes: dict = field(default_factory=lambda: {"cpu": 0, "device": 0})
 
     @property
     def geometry(self) -> str:
@@ -109,6 +114,11 @@ class Footprint:
         K = cfg.num_experts_per_tok
         enc = cfg.num_encoder_layers
         head = sizes.get("head.weight", 0)
+        path = [n for n in sizes if specs[n].cls == "dense" or n == "head.weight"]
+        drafter = [n for n in sizes if n.startswith("mtp.") and ".experts." not in n and ".shared_experts." not in n]
+
+        def widened(names):
+            return {tier: sum(held_bytes(specs[n], sizes[n], tier == "cpu") - sizes[n] for n in names) for tier in ("cpu", "device")}
         return cls(
             model=cfg.name, geometry_hash=cfg.geometry_hash(), n_tensors=len(sizes), expert_dtype=cfg.expert_dtype,
             n_shards=len(shard_bytes or {}), total_bytes=sum(sizes.values()), bytes_by_class=by_class,
@@ -135,9 +145,20 @@ class Footprint:
             engram_layer_ids=list(cfg.engram_layer_ids), dspark_num_layers=cfg.dspark_num_layers,
             dspark_n_routed_experts=cfg.dspark_n_routed_experts,
             shard_bytes=dict(shard_bytes or {}),
+            widened_bytes=widened(path), drafter_widened_bytes=widened(drafter),
         )
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> "Footprint":
         """The footprint a checkpoint in our layout would have (for planning without the files)."""
         return cls.build(cfg, {s.name: s.nbytes for s in tensor_specs(cfg)})
+
+
+def held_bytes(spec, nbytes: int, on_cpu: bool) -> int:
+    """Bytes the runtime holds for a dense tensor stored in `nbytes` (runtime/model/weights.py
+    load_dense, the forms a plan's run uses): fp8 linears, their scales and the embedding table as
+    stored; BF16 matrices as stored on the CPU (`Bf16Weight`), float32 copies on a device; BF16 vectors
+    (norms) float32; I32 int64; F32 as stored."""
+    if spec.dtype == "BF16" and spec.name != "embed.weight" and (len(spec.shape) == 1 or not on_cpu):
+        return 2 * nbytes
+    return 2 * nbytes if spec.dtype == "I32" else nbytes

@@ -176,7 +176,7 @@ def test_the_engram_reader_engine_comes_from_the_hosts_measurement(epyc, v41):
 
 
 def test_cpu_host_dense_term_is_the_runtime_path(epyc, v41):
-    """On a CPU host the dense term is (fp8 dense + BF16 head, both as stored) bytes at the measured dense-path rate,
+    """On a CPU host the dense term is (fp8 dense + BF16 head, both as stored, norms as float32) bytes at the measured dense-path rate,
     the shared expert its own term on the CPU-MoE kernel; without the figure it falls back to DRAM, and says so."""
     cpu = copy.deepcopy(epyc)
     cpu["host"]["hard"].update(gpu_name="", gpu_vram_gib=0)
@@ -191,7 +191,9 @@ def test_cpu_host_dense_term_is_the_runtime_path(epyc, v41):
     fp8, shared = v41.bytes_by_class["dense"], v41.bytes_by_class["shared_expert"]
     head = v41.dense_bytes_per_token - fp8 - shared
     moe_gbs = r.terms["cpu_moe_gbs"]
-    assert r.terms["decode_dense_s"] == pytest.approx((fp8 + head) / 10e9)
+    norms = v41.widened_bytes["cpu"]
+    assert 0 < norms < 1e6
+    assert r.terms["decode_dense_s"] == pytest.approx((fp8 + head + norms) / 10e9)
     assert r.terms["decode_shared_s"] == pytest.approx(shared / (moe_gbs * 1e9))
     assert "measured" in r.sources["dense"] and "formula" in fallback.sources["dense"]
     assert r.decode_tok_s < fallback.decode_tok_s

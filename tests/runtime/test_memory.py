@@ -3,13 +3,14 @@ import torch
 
 from kernels.bf16_dense import Bf16Weight
 from kernels.fp8_dense import Fp8Weight
-from runtime.budget import dense_host_bytes, host_bytes
+from runtime.budget import dense_host_bytes, dense_path_bytes, drafter_dense_bytes, host_bytes
 from runtime.engine import Engine
 from runtime.plan import Plan
 
 
-def _held(t) -> int:
-    return t.nbytes                                    # Fp8Weight, Bf16Weight and tensors: the bytes held
+def _held(w: dict, drafter: bool) -> int:
+    """Bytes held (Fp8Weight, Bf16Weight, DeviceFp8Weight and tensors) by the drafter's tensors or the rest."""
+    return sum(t.nbytes for k, t in w.items() if k.startswith("mtp.") == drafter)
 
 
 def test_dense_weights_are_held_as_fp8_and_counted(tiny_dir):
@@ -22,12 +23,29 @@ def test_dense_weights_are_held_as_fp8_and_counted(tiny_dir):
         assert w["embed.weight"].dtype == torch.bfloat16                       # the table as stored
         bf16 = [k for k, s in e.ck.infos.items() if s.dtype == "BF16" and len(s.shape) == 2 and k in w and k != "embed.weight"]
         assert "head.weight" in bf16 and all(isinstance(w[k], Bf16Weight) for k in bf16)   # head, routers as stored
-        held = sum(_held(t) for k, t in w.items() if not k.startswith("mtp."))
-        planned = dense_host_bytes(fp) - fp.bytes_by_class["shared_expert"]
-        assert abs(held - planned) <= 0.10 * planned, (held, planned)           # norms/biases as float32: the gap
-        assert host_bytes(Plan(), fp, dense_on_host=True) >= planned + fp.routed_expert_bytes_total
+        assert _held(w, drafter=False) == dense_host_bytes(fp) - fp.bytes_by_class["shared_expert"]
+        assert _held(w, drafter=True) == drafter_dense_bytes(fp) > 0
+        assert fp.widened_bytes["cpu"] > 0                                     # the norms: float32
+        assert host_bytes(Plan(), fp, dense_on_host=True) >= _held(w, False) + fp.routed_expert_bytes_total
     finally:
         e.close()
+
+
+def test_the_device_path_holds_what_the_plan_counts(tiny_dir):
+    """The device's dense weights (the Triton path's forms, built here on CPU tensors): fp8 as stored,
+    every BF16 matrix but the embedding table a float32 copy, all counted by the plan's device tier."""
+    from runtime.checkpoint.reader import Checkpoint
+    from runtime.model.weights import DeviceFp8Weight, load_dense
+    ck = Checkpoint(tiny_dir)
+    fp = ck.footprint()
+    w = load_dense(ck, torch.float32, "cpu", keep_fp8=True, fp8_kernel="triton")
+    assert any(isinstance(t, DeviceFp8Weight) for t in w.values())
+    routers = [k for k in w if k.endswith(".ffn.gate.weight")]
+    assert routers and all(w[k].dtype == torch.float32 for k in routers)
+    assert _held(w, drafter=False) == dense_host_bytes(fp, on_cpu=False) - fp.bytes_by_class["shared_expert"]
+    assert _held(w, drafter=True) == drafter_dense_bytes(fp, on_cpu=False)
+    head = fp.vocab_size * fp.hidden_size * 2
+    assert dense_path_bytes(fp, on_cpu=False) - dense_path_bytes(fp) > head   # the head and the routers widened
 
 
 def test_inspect_the_cost_model_and_admission_count_the_same_bytes(full_skeleton, tmp_path, capsys):
