@@ -145,7 +145,8 @@ def memory(plan: Plan, profile: dict, fp: Footprint, f: HostFigures) -> tuple[di
     page_cache = max(0.0, ram - host)
     mapped = (fp.engram_bytes_total if plan.engram_placement == "nvme_mmap" else 0) + \
              (routed_all - budget if plan.expert_nvme_path == "nvme_mmap" else 0)
-    pinned = budget if gpu and plan.moe_strategy != "cpu" else 0
+    shared_pinned = fp.bytes_by_class.get("shared_expert", 0) if fp.shared_rides else 0   # its row of the host banks
+    pinned = budget + shared_pinned if gpu and plan.moe_strategy != "cpu" else 0
     return {"vram": vram, "vram_cap": vram_cap, "indexer_peak": peak, "kv": kv_states_bytes(plan, fp),
             "slots": plan.slot_cache_experts * fp.expert_bytes, "host": host, "pinned": pinned, "pageable": host - pinned,
             "page_cache_left": page_cache, "disk": fp.total_bytes}, why, \
@@ -174,12 +175,16 @@ class _Ctx:
         self.extra = {}
 
     def forward(self, tokens: int, context: float, n_experts: float = 0, moe_s: float | None = None,
-                sequences: int = 1) -> dict:
+                sequences: int = 1, share: float = 1.0) -> dict:
         """One forward over `tokens` at `context` (its routed experts: n_experts per layer, or moe_s
-        seconds when given; `sequences` > 1: one token each, attention per sequence): seconds per term."""
+        seconds when given (a prefill chunk, running `share` of its layers x tokens); `sequences` > 1:
+        one token each, attention per sequence): seconds per term."""
         f, fp, plan = self.f, self.fp, self.plan
-        t = {"moe": moe_s if moe_s is not None else T.moe(f, plan, fp, n_experts, self.hit, self.mem["nvme_share"], self.mem["page_share"]),
-             "shared": T.shared(f, fp, tokens)}
+        rides = T.shared_rides(plan, fp, prefill=moe_s is not None)
+        shared = T.shared(f, fp, tokens, rides)
+        t = {"moe": (moe_s + shared * share if rides else moe_s) if moe_s is not None else
+             T.moe(f, plan, fp, n_experts, self.hit, self.mem["nvme_share"], self.mem["page_share"], shared if rides else 0.0),
+             "shared": 0.0 if rides else shared}
         t["dense"], self.sources["dense"] = T.dense(f, fp, tokens, self.path_bytes)
         att, self.sources["attention"] = f.attention_s(tokens // sequences, context, fp, lambda c: kv_state_bytes(fp, int(c)))
         t["attention"] = sequences * att
@@ -245,7 +250,7 @@ def prefill_terms(c: _Ctx) -> dict:
         q, ps = c.mem["nvme_share"], c.mem["page_share"]
         moe = T.prefill_moe(f, plan, fp, n, enc, f.routing.union, q, ps) + \
             T.prefill_moe(f, plan, fp, dec_n, L - enc, f.routing.union, q, ps)
-        t = c.forward(n, c0 + n / 2, moe_s=moe)
+        t = c.forward(n, c0 + n / 2, moe_s=moe, share=share)
         for k in TERMS:
             out[k] += t[k] * (share if k in ("shared", "dense") else 1.0)
     out["draft"] = 0.0

@@ -75,7 +75,7 @@ class HostFigures:
     cpu: float                        # CPU-MoE GB/s at this geometry and thread count
     cpu_flops: float                  # FLOP/s (bf16 matmul: the dense path's ceiling without its own figure)
     fixed: float                      # s per MoE layer call, this plan's strategy
-    fixed_cpu: float                  # s per layer call of the shared expert (the CPU path)
+    fixed_cpu: float                  # s per MoE layer call on the CPU path (the drafter's, the streamed prefill's)
     gather: float | None = None       # GB/s
     contended: tuple | None = None    # (cpu, gather) GB/s when both run
     dev_mem: float | None = None      # GB/s
@@ -181,7 +181,8 @@ def gather_figures(plan: Plan, profile: dict, fp: Footprint) -> HostFigures:
     f.sources = {
         "moe": f"fixed per layer call: {fixed_key} [{source_of(profile, fixed_key)}]; bytes over cpu_moe_gbs "
                f"[{source_of(profile, 'cpu_moe_gbs')}]" + (f", pcie_gather_gbs [{source_of(profile, 'pcie_gather_gbs')}]" if gpu else ""),
-        "shared": "shared_call_us " + at(f.shared_call, "its bytes over cpu_moe_gbs instead"),
+        "shared": ("formula: rides in the routed experts' CPU call (in `moe`): its bytes over cpu_moe_gbs" if fp.shared_rides else
+                   "shared_call_us " + at(f.shared_call, "its bytes over cpu_moe_gbs instead")),
         "engram_wait": "engram_rows_s " + at(f.engram_rows, "row assembly counted as 0") +
                        ("; reads over nvme_randread_4k [" + source_of(profile, "nvme_randread_4k") + "]"),
         "draft": f"formula: drafter experts over cpu_moe_gbs, its dense part and the head over {'gpu_mem_gbs' if gpu else 'the dense path'}",

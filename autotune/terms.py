@@ -2,7 +2,8 @@
 
   term                 runtime phases it predicts (runtime/engine.py Result.phases / prefill_phases)
   moe                  moe_layer_total  routed experts per layer call: fixed cost + bytes per strategy
-  shared               shared_moe       the shared expert (always the CPU kernel in the runtime)
+  shared               shared_moe       the shared expert in a call of its own (the CPU kernel); one that
+                                        rides in the routed CPU call (`shared_rides`) is in `moe`
   dense                dense            linears, norms, router, LM head
   attention            attention        attention + indexer (grows with context)
   engram_wait          engram_wait      the forward thread waiting for Engram rows
@@ -10,9 +11,10 @@
   other                (the rest)       wall time outside every phase: per-layer Python, sampling
 
 Decode MoE per strategy (n distinct experts per layer, h hit rate, miss bytes B = n L (1-h) e):
-  cpu      L fixed_cpu + B / cpu
-  offload  L fixed_off + B / gather + n L e / dev_mem                     (gather, then compute on device)
-  hybrid   L fixed_hyb + max(f B / gather_c + f B / dev_mem, (1-f) B / cpu_c', B / dram)
+  cpu      L fixed_cpu + B / cpu + S
+  offload  L fixed_off + max(B / gather + n L e / dev_mem, S)             (gather, then compute on device)
+  hybrid   L fixed_hyb + max(f B / gather_c + f B / dev_mem, (1-f) B / cpu_c' + S cpu / cpu_c', B / dram)
+           S: the shared expert's CPU seconds where it rides in the routed CPU call (shared_rides), else 0
            cpu_c' = cpu_c (t-1)/t: one of the plan's t threads drives the device side (formula);
            (cpu_c, gather_c) the contended pair, their sum capped by DRAM read (autotune/figures.py)
   + hits on the device n L h e / dev_mem, + the NVMe tier q B / nvme_seq (the page cache's share of it
@@ -38,34 +40,44 @@ def measured_terms(phases: dict, wall_s: float, per: float) -> dict:
     return out
 
 
-def moe(f: HostFigures, plan: Plan, fp: Footprint, n: float, hit: float, q_nvme: float, page_share: float) -> float:
-    """Seconds for one forward's routed experts when each layer reads n distinct experts."""
+def moe(f: HostFigures, plan: Plan, fp: Footprint, n: float, hit: float, q_nvme: float, page_share: float,
+        shared_s: float = 0.0) -> float:
+    """Seconds for one forward's routed experts when each layer reads n distinct experts; `shared_s`:
+    the shared expert's CPU seconds when it rides in the routed CPU call (`shared_rides`), on the CPU
+    side of the split (beside the device's share on a GPU host)."""
     L, eb = fp.num_layers, fp.expert_bytes
     miss = n * L * (1 - hit) * eb
     dev = n * L * hit * eb / (f.dev_mem * 1e9) if f.gpu and hit else 0.0
     t_nvme = nvme_read(f, plan, miss, q_nvme, page_share)
     if not f.gpu or plan.moe_strategy == "cpu":
-        body = miss / (f.cpu * 1e9)
+        body = miss / (f.cpu * 1e9) + shared_s
     elif plan.moe_strategy == "offload":
-        body = miss / (f.gather * 1e9) + miss / (f.dev_mem * 1e9)
+        body = max(miss / (f.gather * 1e9) + miss / (f.dev_mem * 1e9), shared_s)
     else:
         cpu_c, gather_c = f.contended or (f.cpu, f.gather)
         t = plan.cpu_threads or 0
         cpu_c = cpu_c * (t - 1) / t if t > 1 else cpu_c
         fr = plan.fetch_fraction
-        body = max(fr * miss / (gather_c * 1e9) + fr * miss / (f.dev_mem * 1e9), (1 - fr) * miss / (cpu_c * 1e9),
-                   miss / (f.dram * 1e9))
+        body = max(fr * miss / (gather_c * 1e9) + fr * miss / (f.dev_mem * 1e9),
+                   (1 - fr) * miss / (cpu_c * 1e9) + shared_s * f.cpu / cpu_c, miss / (f.dram * 1e9))
     return L * f.fixed + body + dev + t_nvme
 
 
-def shared(f: HostFigures, fp: Footprint, tokens: int) -> float:
-    """The shared expert over `tokens` on the CPU kernel: one call per layer (as timed at this geometry
-    at batch 1 by the profiler, else its bytes at the CPU-MoE figure), FLOP-bound when wide (the
-    kernel's measured FLOP/s at that width)."""
+def shared_rides(plan: Plan, fp: Footprint, prefill: bool) -> bool:
+    """The shared expert computed in the routed experts' CPU call (runtime/experts.py): one shared expert
+    (`shared_rides`), except a prefill chunk streamed through the device (its own call there)."""
+    return fp.shared_rides and not (prefill and plan.prefill_moe_path == "device")
+
+
+def shared(f: HostFigures, fp: Footprint, tokens: int, rides: bool = False) -> float:
+    """The shared expert over `tokens` on the CPU kernel: its bytes at the CPU-MoE figure where it rides
+    in the routed call, else one call per layer (as timed at this geometry at batch 1 by the profiler,
+    else its bytes); FLOP-bound when wide (the kernel's measured FLOP/s at that width)."""
     if not fp.bytes_by_class.get("shared_expert"):
         return 0.0
     flop = 2 * 3 * fp.hidden_size * fp.moe_intermediate_size * tokens * fp.num_layers
-    once = fp.num_layers * f.shared_call if f.shared_call else fp.bytes_by_class["shared_expert"] / (f.cpu * 1e9)
+    own_call = f.shared_call and not rides
+    once = fp.num_layers * f.shared_call if own_call else fp.bytes_by_class["shared_expert"] / (f.cpu * 1e9)
     return max(once, flop / f.moe_flops(tokens))
 
 

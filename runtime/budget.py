@@ -97,9 +97,10 @@ def decode_scratch_bytes(plan: Plan, fp: Footprint, itemsize: int = 4) -> int:
 
 
 def moe_scratch_bytes(fp: Footprint, T: int) -> int:
-    """kernels/cpu_moe.py expert_ffn for T tokens: A = T K assignments packed (no padding), inputs
-    [A, H], gate/up [A, 2I], SwiGLU [A, I], down [A, H] in float32 + token and k ids (16 B)."""
-    A = T * fp.top_k
+    """kernels/cpu_moe.py expert_ffn for T tokens: A = T (K + 1 where the shared expert rides in the
+    call) assignments packed (no padding), inputs [A, H], gate/up [A, 2I], SwiGLU [A, I], down [A, H]
+    in float32 + token and k ids (16 B)."""
+    A = T * (fp.top_k + fp.shared_rides)
     return A * ((2 * fp.hidden_size + 3 * fp.moe_intermediate_size) * 4 + 16)
 
 

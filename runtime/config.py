@@ -196,6 +196,12 @@ class ModelConfig:
         return expert_format_bytes(self.expert_dtype, self.hidden_size, self.moe_intermediate_size)
 
     @property
+    def shared_rides(self) -> bool:
+        """One shared expert, the routed experts' shape: it rides in the layer's host bank and is computed
+        in the routed experts' CPU call (runtime/experts.py); more than one: a call of their own."""
+        return self.n_shared_experts == 1
+
+    @property
     def engram_slots(self) -> int:
         """(order, head) pairs per Engram layer: (max_ngram - 1) * heads (V4.1: 24)."""
         return (self.engram_max_ngram_size - 1) * self.engram_n_heads if self.engram_layer_ids else 0

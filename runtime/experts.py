@@ -1,6 +1,7 @@
 """Expert placement under a Plan: host banks, the device slot cache, the hybrid split, the NVMe tier.
 
-Backends implement routed(layer, m [T, H], ids [T, K], wts [T, K]) -> [T, H] and shared(layer, m).
+Backends implement routed(layer, m [T, H], ids [T, K], wts [T, K], shared) -> [T, H] (`shared`: the
+layer's shared expert added).
   ReferenceExperts  every expert dequantized with plain torch (the ground truth, float64 by default), its
                     inputs quantized per 32-block to int8 as every path's are (kernels/formats.py)
   PlacedExperts     the plan's placement:
@@ -58,15 +59,12 @@ class ReferenceExperts:
         x = quantize_act(x)                          # the int8-per-32 expert inputs every path uses
         return quantize_act(torch.nn.functional.silu(x @ w1.T) * (x @ w3.T)) @ w2.T
 
-    def routed(self, layer, m, ids, wts):
+    def routed(self, layer, m, ids, wts, shared: bool = False):
         y = torch.zeros_like(m)
         for e in torch.unique(ids).tolist():
             t, k = (ids == e).nonzero(as_tuple=True)
             y.index_add_(0, t, self._ffn(f"layers.{layer}.ffn.experts.{e}", m[t]) * wts[t, k][:, None])
-        return y
-
-    def shared(self, layer, m):
-        return self._ffn(f"layers.{layer}.ffn.shared_experts", m)
+        return y + self._ffn(f"layers.{layer}.ffn.shared_experts", m) if shared else y
 
     def drafter_moe(self, k, m, ids, wts):
         y = self._ffn(f"mtp.{k}.ffn.shared_experts", m)
@@ -183,12 +181,17 @@ class PlacedExperts:
         total = L * E if plan.host_expert_budget_gib is None else min(L * E, int(plan.host_expert_budget_gib * (1 << 30) // eb))
         per_layer = [total // L + (1 if i < total % L else 0) for i in range(L)]
         self.resident = per_layer                               # experts 0..resident[i]-1 in the host bank
-        self.host = [Fp4Bank.from_experts([expert_raw(ck, f"layers.{i}.ffn.experts.{e}") for e in range(per_layer[i])]) if per_layer[i] else None
-                     for i in range(L)]
+        # one shared expert (the routed experts' shape) rides in the host bank as its last row: a layer's
+        # CPU call computes it with its routed experts (`routed(..., shared=True)`); others: banks of their own
+        rides = cfg.shared_rides
+        self.shared_row = [per_layer[i] if rides else None for i in range(L)]
+        self.host = [Fp4Bank.from_experts([expert_raw(ck, f"layers.{i}.ffn.experts.{e}") for e in range(per_layer[i])] +
+                                          ([expert_raw(ck, f"layers.{i}.ffn.shared_experts")] if rides else []))
+                     if per_layer[i] or rides else None for i in range(L)]
         if device.startswith("cuda"):        # pinned host banks: gathers become true async DMA copies
             self.host = [_pinned(b) for b in self.host]
-        self.shared_bank = [Fp4Bank.from_experts([expert_raw(ck, f"layers.{i}.ffn.shared_experts")]) if cfg.n_shared_experts else None
-                            for i in range(L)]
+        self.shared_bank = [Fp4Bank.from_experts([expert_raw(ck, f"layers.{i}.ffn.shared_experts")])
+                            if cfg.n_shared_experts and not rides else None for i in range(L)]
         # the DSpark drafter's experts (its own MoE), loaded when the plan uses speculative decoding
         self.drafter = [Fp4Bank.from_experts([expert_raw(ck, f"mtp.{k}.ffn.experts.{e}") for e in range(cfg.dspark_n_routed_experts)])
                         for k in range(cfg.dspark_num_layers)] if plan.dspark else []
@@ -251,29 +254,38 @@ class PlacedExperts:
         sub = lut[ids]                                   # [T, K]: bank row, or -1 (skipped) for other experts
         return bank, sub, np.where(sub >= 0, wts, 0.0).astype(np.float32)
 
-    def _groups(self, layer, experts):
-        """(bank, experts, rows): the host bank's experts in place, then the NVMe tier's (only those
-        read), NVME_BATCH at a time, so one call's read buffers stay bounded however wide it is."""
+    def _groups(self, layer, experts, host: bool = False):
+        """(bank, experts, rows): the host bank's experts in place (`host`: even none), then the NVMe
+        tier's (only those read), NVME_BATCH at a time, so one call's read buffers stay bounded however wide it is."""
         r = self.resident[layer]
         nvme = [e for e in experts if e >= r]
-        for group in [[e for e in experts if e < r]] + [nvme[i:i + NVME_BATCH] for i in range(0, len(nvme), NVME_BATCH)]:
-            if group:
-                yield self._batch(layer, group)   # no local keeps a batch alive while the next is read
+        resident = [e for e in experts if e < r]
+        if resident or host:
+            yield self._batch(layer, resident)
+        for i in range(0, len(nvme), NVME_BATCH):
+            yield self._batch(layer, nvme[i:i + NVME_BATCH])   # no local keeps a batch alive while the next is read
 
     def _batch(self, layer, group):
         bank, rows = self._fetch(layer, group)
         return bank, group, rows
 
-    def _cpu_part(self, layer, x, ids, wts, experts):
-        """The CPU's share of a layer (runs in the worker thread, overlapping the device's share)."""
+    def _cpu_part(self, layer, x, ids, wts, experts, shared: bool = False):
+        """The CPU's share of a layer (runs in the worker thread, overlapping the device's share);
+        `shared`: the shared expert too, in the host bank's call (weight 1, after the routed experts:
+        the same sum as adding it to theirs)."""
         y = np.zeros_like(x)
-        for bank, group, rows in self._groups(layer, experts):
-            job = self._subset(x, ids, wts, group, rows, bank)
-            y += self._run(job[0], x, job[1], job[2], "cpu_moe")
-            del bank, job                     # before the next batch is read: one batch alive at a time
+        for n, (bank, group, rows) in enumerate(self._groups(layer, experts, host=shared)):
+            bank, sub, w = self._subset(x, ids, wts, group, rows, bank)
+            if shared and n == 0:
+                sub = np.concatenate([sub, np.full((len(x), 1), self.shared_row[layer], np.int64)], 1)
+                w = np.concatenate([w, np.ones((len(x), 1), np.float32)], 1)
+            y += self._run(bank, x, sub, w, "cpu_moe")
+            del bank, sub, w                  # before the next batch is read: one batch alive at a time
         return y
 
-    def routed(self, layer, m, ids, wts):
+    def routed(self, layer, m, ids, wts, shared: bool = False):
+        """The layer's routed experts for m [T, H] (ids, wts [T, K]), and with `shared` its shared
+        expert(s) added: in the CPU call where it rides in the host bank, else its own call. -> [T, H]"""
         t_layer = time.perf_counter()
         self.layer_calls += 1
         x = m.detach().to(torch.float32).cpu().numpy()
@@ -285,7 +297,7 @@ class PlacedExperts:
         if self.stream is not None and self.stream.wants(len(x)):   # a wide prefill call: stream to the device
             y = self.stream.run(self, layer, x, ids_np, w_np, need)
             self.seconds["moe_layer_total"] += time.perf_counter() - t_layer
-            return torch.from_numpy(y).to(device=m.device, dtype=m.dtype)
+            return self._with_shared(layer, x, y, m) if shared else torch.from_numpy(y).to(device=m.device, dtype=m.dtype)
         hits = [e for e in need if self.cache.lookup((layer, e)) is not None]
         miss = [e for e in need if e not in hits]
         self.cache.hits += len(hits)
@@ -299,14 +311,15 @@ class PlacedExperts:
             n = round(self.plan.fetch_fraction * len(miss))
             to_dev, to_cpu = miss[:n], miss[n:]
         dev_keys = hits + to_dev
+        ride = shared and self.shared_row[layer] is not None
         if not dev_keys:                           # nothing for the device: the CPU share inline, no hand-off
-            y = self._cpu_part(layer, x, ids_np, w_np, to_cpu) if to_cpu else np.zeros_like(x)
+            y = self._cpu_part(layer, x, ids_np, w_np, to_cpu, ride) if to_cpu or ride else np.zeros_like(x)
             self.seconds["moe_layer_total"] += time.perf_counter() - t_layer
-            return torch.from_numpy(y).to(device=m.device, dtype=m.dtype)
+            return self._with_shared(layer, x, y, m) if shared and not ride else torch.from_numpy(y).to(device=m.device, dtype=m.dtype)
         y = np.zeros_like(x)
         fut = None
-        if to_cpu:                                 # overlapped with the device's share in the worker thread
-            fut = self.pool.submit(self._cpu_part, layer, x, ids_np, w_np, to_cpu)
+        if to_cpu or ride:                         # overlapped with the device's share in the worker thread
+            fut = self.pool.submit(self._cpu_part, layer, x, ids_np, w_np, to_cpu, ride)
         if dev_keys and not self.cache.n:          # offload with no cache: transient staging banks
             t0 = time.perf_counter()
             for bank, group, rows in self._groups(layer, dev_keys):
@@ -321,7 +334,7 @@ class PlacedExperts:
         if fut is not None:
             y += fut.result()
         self.seconds["moe_layer_total"] += time.perf_counter() - t_layer
-        return torch.from_numpy(y).to(device=m.device, dtype=m.dtype)
+        return self._with_shared(layer, x, y, m) if shared and not ride else torch.from_numpy(y).to(device=m.device, dtype=m.dtype)
 
     def _device_round(self, layer, x, ids_np, w_np, keys):
         """Make `keys` (<= slots) resident, touching the resident ones first so no put evicts them; then
@@ -343,10 +356,12 @@ class PlacedExperts:
         self.seconds["device_moe"] += time.perf_counter() - t0
         return y
 
-    def shared(self, layer, m):
-        x = m.detach().to(torch.float32).cpu().numpy()
+    def _with_shared(self, layer, x, y, m):
+        """y (the routed experts) + the shared expert in a call of its own (`shared_moe`): where it does
+        not ride in the host bank, or the call streamed through the device. -> [T, H] like m"""
         T = len(x)
-        y = self._run(self.shared_bank[layer], x, np.zeros((T, 1), np.int64), np.ones((T, 1), np.float32), "shared_moe")
+        bank, row = (self.host[layer], self.shared_row[layer]) if self.shared_row[layer] is not None else (self.shared_bank[layer], 0)
+        y += self._run(bank, x, np.full((T, 1), row, np.int64), np.ones((T, 1), np.float32), "shared_moe")
         return torch.from_numpy(y).to(device=m.device, dtype=m.dtype)
 
     # ---------------------------------------------------------------- probes through this path

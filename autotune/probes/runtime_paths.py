@@ -106,8 +106,11 @@ def forward_terms(ck: Checkpoint, quick: bool, threads: int, contexts=None, chun
                                              "each context; `prefill`: one chunk's, at its middle context"},
            "step_other_s_per_layer": _fig(Measurement(tuple(other), "s", note="a decode forward's time outside its phases, per layer"),
                                           geometry=geo)}
-    out["shared_call_us"] = (_fig(Measurement(tuple(x * 1e6 for x in shared), "us", note="`shared_moe` per layer per decode token"),
-                                  geometry=geo) if cfg.n_shared_experts else {"skipped": "the model has no shared expert"})
+    out["shared_call_us"] = ({"skipped": "no shared expert"} if not cfg.n_shared_experts else
+                             {"skipped": "the shared expert rides in the routed experts' CPU call (timed in cpu_moe_gbs)"}
+                             if cfg.shared_rides else
+                             _fig(Measurement(tuple(x * 1e6 for x in shared), "us", note="`shared_moe` per layer per decode token"),
+                                  geometry=geo))
     out["engram_rows_s"] = (_fig(Measurement(tuple(rows), "s", note="`engram_wait` per Engram layer per decode forward, rows "
                                                                     "in the page cache (the assembly cost, no I/O wait)"), geometry=geo)
                             if cfg.engram_layer_ids else {"skipped": "no Engram layers"})

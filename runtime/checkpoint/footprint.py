@@ -69,6 +69,7 @@ class Footprint:
     engram_layer_ids: list = field(default_factory=list)
     dspark_num_layers: int = 0
     dspark_n_routed_experts: int = 0
+    shared_rides: bool = False                          # the shared expert computed in the routed CPU call (config.py)
     shard_bytes: dict = field(default_factory=dict)   # shard file name -> bytes
     widened_bytes: dict = field(default_factory=lambda: {"cpu": 0, "device": 0})
     drafter_widened_bytes: dict = field(default_factory=lambda: {"cpu": 0, "device": 0})
@@ -143,7 +144,7 @@ class Footprint:
             index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk, vocab_size=cfg.vocab_size,
             q_lora_rank=cfg.q_lora_rank, engram_floats_per_token=len(cfg.engram_layer_ids) * cfg.engram_slots * cfg.engram_head_dim,
             engram_layer_ids=list(cfg.engram_layer_ids), dspark_num_layers=cfg.dspark_num_layers,
-            dspark_n_routed_experts=cfg.dspark_n_routed_experts,
+            dspark_n_routed_experts=cfg.dspark_n_routed_experts, shared_rides=cfg.shared_rides,
             shard_bytes=dict(shard_bytes or {}),
             widened_bytes=widened(path), drafter_widened_bytes=widened(drafter),
         )

@@ -281,10 +281,7 @@ class Model:
             wts = scores.gather(1, ids)
             wts = wts / wts.sum(-1, keepdim=True) * c.routed_scaling_factor
         self.phases.add("dense", t0)                                        # the norm and the router
-        y = self.experts.routed(i, m, ids, wts)
-        if c.n_shared_experts:
-            y = y + self.experts.shared(i, m)
-        return y
+        return self.experts.routed(i, m, ids, wts, shared=bool(c.n_shared_experts))
 
     # ------------------------------------------------------------------ Engram
     def _engram_row_ids(self, st, p0, T) -> dict:

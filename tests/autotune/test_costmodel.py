@@ -1,5 +1,6 @@
 """The cost model against what was published for the 5090-epyc host, and the seed's memory story."""
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -177,7 +178,7 @@ def test_the_engram_reader_engine_comes_from_the_hosts_measurement(epyc, v41):
 
 def test_cpu_host_dense_term_is_the_runtime_path(epyc, v41):
     """On a CPU host the dense term is (fp8 dense + BF16 head, both as stored, norms as float32) bytes at the measured dense-path rate,
-    the shared expert its own term on the CPU-MoE kernel; without the figure it falls back to DRAM, and says so."""
+    the shared expert its bytes on the CPU-MoE kernel inside `moe` (it rides in the routed call); without the figure it falls back to DRAM, and says so."""
     cpu = copy.deepcopy(epyc)
     cpu["host"]["hard"].update(gpu_name="", gpu_vram_gib=0)
     plan, wl = Plan(host_expert_budget_gib=100.0), Workload(1024, 64)
@@ -194,7 +195,10 @@ def test_cpu_host_dense_term_is_the_runtime_path(epyc, v41):
     norms = v41.widened_bytes["cpu"]
     assert 0 < norms < 1e6
     assert r.terms["decode_dense_s"] == pytest.approx((fp8 + head + norms) / 10e9)
-    assert r.terms["decode_shared_s"] == pytest.approx(shared / (moe_gbs * 1e9))
+    assert v41.shared_rides and r.terms["decode_shared_s"] == 0.0        # it rides in the routed CPU call: in `moe`
+    own = predict(plan, cpu, dataclasses.replace(v41, shared_rides=False), wl)
+    assert own.terms["decode_shared_s"] == pytest.approx(shared / (moe_gbs * 1e9))
+    assert r.terms["decode_moe_s"] - own.terms["decode_moe_s"] == pytest.approx(shared / (moe_gbs * 1e9))
     assert "measured" in r.sources["dense"] and "formula" in fallback.sources["dense"]
     assert r.decode_tok_s < fallback.decode_tok_s
 
@@ -345,3 +349,15 @@ def test_the_runtime_refuses_another_format_by_name(tmp_path):
     d = make_checkpoint(cfg, tmp_path / "s", skeleton=True)
     with pytest.raises(ValueError, match=r"config.json: expert_dtype 'nvfp4'.*another engine"):
         Engine(d)
+
+
+def test_a_shared_expert_riding_in_the_cpu_call_runs_beside_the_devices_share(epyc, v41):
+    """On a GPU host the shared expert rides in the CPU call that overlaps the device's share: under
+    offload it costs nothing while the gathers take longer; in its own call (two shared experts) it
+    is serial, its own term."""
+    plan, wl = Plan(moe_strategy="offload", slot_cache_experts=64, host_expert_budget_gib=100.0), Workload(1024, 64)
+    rides = predict(plan, epyc, v41, wl)
+    own = predict(plan, epyc, dataclasses.replace(v41, shared_rides=False), wl)
+    assert rides.terms["decode_shared_s"] == 0.0 < own.terms["decode_shared_s"]
+    assert rides.terms["decode_moe_s"] == pytest.approx(own.terms["decode_moe_s"])   # hidden beside the gathers
+    assert rides.decode_tok_s > own.decode_tok_s
