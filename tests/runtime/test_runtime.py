@@ -166,6 +166,35 @@ def test_threads_and_row_layout_do_not_change_bits(ck, case):
         assert a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)), other
 
 
+@pytest.mark.parametrize("budget", [None, 0.0], ids=["all resident", "all on NVMe"])
+def test_the_shared_expert_rides_in_the_routed_call_with_the_same_sum(ck, budget):
+    """One shared expert is the last row of the layer's host bank and runs in the routed experts' call:
+    the same bits as the routed experts, then the shared expert in a call of its own, added; with every
+    routed expert on the NVMe tier the host bank holds the shared expert alone."""
+    from kernels.cpu_moe import expert_ffn
+    from runtime.experts import PlacedExperts, ReferenceExperts
+    cfg = ck.config
+    assert cfg.shared_rides
+    pe = PlacedExperts(ck, Plan(cpu_threads=1, host_expert_budget_gib=budget))
+    ref = ReferenceExperts(ck)
+    g = torch.Generator().manual_seed(5)
+    try:
+        for layer in (1, cfg.num_hidden_layers - 1):
+            bank, row = pe.host[layer], pe.shared_row[layer]
+            assert row == pe.resident[layer] == bank.n_experts - 1
+            m = torch.randn(3, cfg.hidden_size, generator=g)
+            ids = torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:cfg.num_experts_per_tok] for _ in range(3)])
+            w = torch.rand(3, cfg.num_experts_per_tok, generator=g)
+            fused = pe.routed(layer, m, ids, w, shared=True)
+            x = m.numpy()
+            alone = expert_ffn(x, np.full((3, 1), row), np.ones((3, 1), np.float32), bank, threads=1)
+            assert torch.equal(fused, pe.routed(layer, m, ids, w) + torch.from_numpy(alone))
+            r = ref.routed(layer, m.double(), ids, w.double(), shared=True)
+            assert ((fused.double() - r).norm() / r.norm()) < 1e-5
+    finally:
+        pe.close()
+
+
 def test_temperature_sampling_is_seeded(ck, case):
     prompt, _ = case
     e = Engine(ck, Plan())
