@@ -367,10 +367,11 @@ class PlacedExperts:
     # ---------------------------------------------------------------- probes through this path
     def dispatch_seconds(self, layer: int, repeats: int = 20) -> list[float]:
         """The fixed cost of one MoE layer call under this plan's strategy (submit, wait, split, merge,
-        per-call kernel overheads): one token's routed() call minus the time its kernels and transfers
-        ran, overlapped parts counted once (hybrid: the CPU share runs beside the gather + device
-        compute). A device strategy starts every call from an empty slot cache, so every expert is a
-        gather as in a decode step's misses. -> samples (s)."""
+        per-call kernel overheads): one token's routed() call, its shared expert with it as a decode
+        step runs it, minus the time its kernels and transfers ran, overlapped parts counted once (the
+        CPU share, the shared expert's too, runs beside the gather + device compute). A device strategy
+        starts every call from an empty slot cache, so every expert is a gather as in a decode step's
+        misses. -> samples (s)."""
         H, K = self.cfg.hidden_size, self.cfg.num_experts_per_tok
         m = torch.randn(1, H, generator=torch.Generator().manual_seed(0))
         ids = torch.arange(K)[None] % self.cfg.n_routed_experts
@@ -378,10 +379,11 @@ class PlacedExperts:
         for _ in range(repeats + 2):
             self.seconds.clear()
             self.cache.where.clear()
-            self.routed(layer, m, ids, torch.full((1, K), 1.0 / K))
+            self.routed(layer, m, ids, torch.full((1, K), 1.0 / K), shared=bool(self.cfg.n_shared_experts))
             s = self.seconds
             device = s["gather"] + s["device_moe"]
-            busy = max(s["cpu_moe"], device) if self.plan.moe_strategy == "hybrid" else s["cpu_moe"] + device
+            beside = self.plan.moe_strategy != "cpu" and device > 0       # the CPU share ran in the worker
+            busy = max(s["cpu_moe"], device) if beside else s["cpu_moe"] + device
             out.append(s["moe_layer_total"] - busy - s["nvme_read"])
         self.seconds.clear()
         return out[2:]
