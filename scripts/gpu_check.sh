@@ -3,7 +3,8 @@
 # tokenizers, safetensors, rich and psutil (no optuna, no fastapi, no network) and writes JSON and logs
 # under $OUT (default out/gpu-check):
 #   device.txt        torch / CUDA / device name
-#   pytest.log        every CUDA-capable test: Triton kernels, the Triton slot cache, the runtime vs reference
+#   pytest.log        every CUDA-capable test: Triton kernels, the Triton slot cache, the runtime vs reference,
+#                     the device's dense weights against the plan's count
 #   run-*.json        dsv41-run with three plans on a tiny checkpoint (one with a 32 GiB vram_budget)
 #   gpu_kernels.json  the Triton kernels against the device copy bandwidth
 #   probes.json       the DRAM stream read probe
@@ -19,8 +20,8 @@ CK=${CK:-/tmp/dsv41-gpu-tiny}
 PY=${PYTHON:-python3}
 "$PY" -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-')" | tee "$OUT/device.txt"
 "$PY" -m runtime.cli.checkpoint make --preset tiny --out "$CK" --seed 0 || exit 1
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_triton_gpu.py tests/runtime/test_device_slots.py \
-  tests/runtime/test_runtime.py 2>&1 | tee "$OUT/pytest.log"
+timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_triton_gpu.py tests/runtime/test_device_slots.py \
+  tests/runtime/test_runtime.py tests/runtime/test_memory.py 2>&1 | tee "$OUT/pytest.log"
 i=0
 for plan in '{"moe_strategy": "cpu", "prefill_chunk": 16}' \
             '{"moe_strategy": "offload", "slot_cache_experts": 64, "prefill_chunk": 7}' \

@@ -14,7 +14,7 @@ def _held(w: dict, drafter: bool) -> int:
 
 
 def test_dense_weights_are_held_as_fp8_and_counted(tiny_dir):
-    e = Engine(tiny_dir, Plan())
+    e = Engine(tiny_dir, Plan(), device="cpu")
     try:
         fp = e.ck.footprint()
         w = e.model.w
@@ -32,13 +32,14 @@ def test_dense_weights_are_held_as_fp8_and_counted(tiny_dir):
 
 
 def test_the_device_path_holds_what_the_plan_counts(tiny_dir):
-    """The device's dense weights (the Triton path's forms, built here on CPU tensors): fp8 as stored,
-    every BF16 matrix but the embedding table a float32 copy, all counted by the plan's device tier."""
+    """The device's dense weights (the Triton path's forms: on the GPU where there is one, else built on
+    CPU tensors): fp8 as stored, every BF16 matrix but the embedding table a float32 copy, all counted
+    by the plan's device tier."""
     from runtime.checkpoint.reader import Checkpoint
     from runtime.model.weights import DeviceFp8Weight, load_dense
     ck = Checkpoint(tiny_dir)
     fp = ck.footprint()
-    w = load_dense(ck, torch.float32, "cpu", keep_fp8=True, fp8_kernel="triton")
+    w = load_dense(ck, torch.float32, "cuda" if torch.cuda.is_available() else "cpu", keep_fp8=True, fp8_kernel="triton")
     assert any(isinstance(t, DeviceFp8Weight) for t in w.values())
     routers = [k for k in w if k.endswith(".ffn.gate.weight")]
     assert routers and all(w[k].dtype == torch.float32 for k in routers)
