@@ -49,6 +49,19 @@ def test_the_device_path_holds_what_the_plan_counts(tiny_dir):
     assert dense_path_bytes(fp, on_cpu=False) - dense_path_bytes(fp) > head   # the head and the routers widened
 
 
+def test_hash_routing_tables_are_counted_as_held(tmp_path):
+    """A hash-routed layer's token -> experts table (I32 as stored) is held as int64: counted so."""
+    from runtime.checkpoint.reader import Checkpoint
+    from runtime.checkpoint.synth import make_checkpoint
+    from runtime.config import ModelConfig
+    from runtime.model.weights import load_dense
+    ck = Checkpoint(make_checkpoint(ModelConfig.preset("tiny").replace(name="tiny-hash", n_hash_layers=1), tmp_path, seed=0))
+    fp = ck.footprint()
+    w = load_dense(ck, torch.float32, "cpu", keep_fp8=True)
+    assert w["layers.0.ffn.tid2eid"].dtype == torch.int64
+    assert _held(w, drafter=False) == dense_host_bytes(fp) - fp.bytes_by_class["shared_expert"]
+
+
 def test_inspect_the_cost_model_and_admission_count_the_same_bytes(full_skeleton, tmp_path, capsys):
     """One accounting: `dsv41-checkpoint inspect --plan` on the V4.1 skeleton, `predict` (what
     `dsv41-tune plan` prints) and the runtime's admission all read runtime/budget.py."""
