@@ -33,6 +33,7 @@ import torch
 from hostinfo import clamp_threads
 from runtime.budget import NVME_BATCH
 from kernels.cpu_moe import Fp4Bank, expert_ffn
+from kernels.threads import concurrent_ok
 from kernels.formats import dequantize_mxfp4, quantize_act
 from runtime.checkpoint.reader import Checkpoint
 from runtime.io_reader import BatchedReader
@@ -209,6 +210,7 @@ class PlacedExperts:
             self.cache.put((i, e), *self._source(i, [e]))
         self.cache.hits = self.cache.misses = 0
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv41-cpu-moe")
+        self.overlap = concurrent_ok()        # the CPU share beside the device's (else in turn: kernels/threads.py)
         self.seconds.clear()
         self.layer_calls = 0
         self.experts_read = 0                 # routed experts read, summed over layer calls (the union per call)
@@ -317,9 +319,11 @@ class PlacedExperts:
             self.seconds["moe_layer_total"] += time.perf_counter() - t_layer
             return self._with_shared(layer, x, y, m) if shared and not ride else torch.from_numpy(y).to(device=m.device, dtype=m.dtype)
         y = np.zeros_like(x)
-        fut = None
-        if to_cpu or ride:                         # overlapped with the device's share in the worker thread
+        fut = cpu_y = None
+        if (to_cpu or ride) and self.overlap:      # overlapped with the device's share in the worker thread
             fut = self.pool.submit(self._cpu_part, layer, x, ids_np, w_np, to_cpu, ride)
+        elif to_cpu or ride:                       # numba's layer is not threadsafe here: in turn, added last all the same
+            cpu_y = self._cpu_part(layer, x, ids_np, w_np, to_cpu, ride)
         if dev_keys and not self.cache.n:          # offload with no cache: transient staging banks
             t0 = time.perf_counter()
             for bank, group, rows in self._groups(layer, dev_keys):
@@ -333,6 +337,8 @@ class PlacedExperts:
             y += self._device_round(layer, x, ids_np, w_np, dev_keys[r0:r0 + self.cache.n])
         if fut is not None:
             y += fut.result()
+        if cpu_y is not None:
+            y += cpu_y
         self.seconds["moe_layer_total"] += time.perf_counter() - t_layer
         return self._with_shared(layer, x, y, m) if shared and not ride else torch.from_numpy(y).to(device=m.device, dtype=m.dtype)
 
@@ -382,7 +388,7 @@ class PlacedExperts:
             self.routed(layer, m, ids, torch.full((1, K), 1.0 / K), shared=bool(self.cfg.n_shared_experts))
             s = self.seconds
             device = s["gather"] + s["device_moe"]
-            beside = self.plan.moe_strategy != "cpu" and device > 0       # the CPU share ran in the worker
+            beside = self.overlap and self.plan.moe_strategy != "cpu" and device > 0   # the CPU share ran in the worker
             busy = max(s["cpu_moe"], device) if beside else s["cpu_moe"] + device
             out.append(s["moe_layer_total"] - busy - s["nvme_read"])
         self.seconds.clear()

@@ -195,6 +195,41 @@ def test_the_shared_expert_rides_in_the_routed_call_with_the_same_sum(ck, budget
         pe.close()
 
 
+NO_THREADSAFE_LAYER = """
+import json, sys, numba
+from runtime.engine import Engine
+from runtime.plan import Plan
+e = Engine(sys.argv[1], Plan.from_dict(json.loads(sys.argv[2])), device="cpu")
+r = e.generate(json.loads(sys.argv[3]), 6, keep_logits=True)
+print(json.dumps({"layer": numba.threading_layer(), "overlap": e.experts.overlap, "tokens": r.tokens,
+                  "logits": [l.tolist() for l in r.logits]}))
+"""
+
+
+@pytest.mark.parametrize("plan", [Plan(moe_strategy="hybrid", slot_cache_experts=8, fetch_fraction=0.5),
+                                  Plan(moe_strategy="offload")], ids=["hybrid", "offload"])
+def test_without_a_threadsafe_numba_layer_the_cpu_share_runs_in_turn(ck, case, plan):
+    """Where neither libgomp nor tbb loads, numba falls back to its workqueue layer, which aborts the
+    process when two threads launch parallel kernels at once (the CPU share beside the device's: the
+    hybrid split, the shared expert under offload). There the share runs in turn: the same bits."""
+    import os
+    import subprocess
+    import sys
+    prompt, _ = case
+    env = {**os.environ, "NUMBA_THREADING_LAYER": "workqueue"}
+    p = subprocess.run([sys.executable, "-c", NO_THREADSAFE_LAYER, str(ck.root), json.dumps(plan.to_dict()), json.dumps(prompt)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["layer"] == "workqueue" and got["overlap"] is False
+    e = Engine(ck, plan, device="cpu")                                 # this host's own layer
+    try:
+        want = e.generate(prompt, 6, keep_logits=True)
+    finally:
+        e.close()
+    assert got["tokens"] == want.tokens and got["logits"] == [l.tolist() for l in want.logits]
+
+
 def test_temperature_sampling_is_seeded(ck, case):
     prompt, _ = case
     e = Engine(ck, Plan())
