@@ -87,6 +87,7 @@ class HostFigures:
     dense_chunk: int = 0              # that chunk's tokens
     attention: tuple | None = None    # (a0, a1, a2): a forward of T tokens at context c: a0 + a2 (T-1) + a1 T c
     shared_call: float | None = None  # s per layer call of the shared expert at batch 1, this geometry
+    overlap: bool = True              # the CPU share of a layer runs beside the device's (numba's layer is threadsafe)
     engram_rows: float = 0.0          # s per Engram layer per forward assembling rows (page cache / RAM), this geometry
     other_per_layer: float | None = None             # s per layer per forward, outside every phase
     moe_flops: object = None          # tokens -> the CPU-MoE kernel's FLOP/s for a call that wide
@@ -146,6 +147,11 @@ def gather_figures(plan: Plan, profile: dict, fp: Footprint) -> HostFigures:
                     fixed_cpu=fixed_us(profile, "cpu") * 1e-6, nvme_seq=figure(profile, "nvme_seq_read_gbs"))
     if note:
         f.notes.append(note)
+    f.overlap = profile["host"].get("soft", {}).get("numba_threading_layer") != "workqueue"
+    if gpu and not f.overlap:
+        f.notes.append("numba's threading layer here is workqueue (not threadsafe): a layer's CPU share runs after "
+                       "the device's, not beside it (hostinfo.numba_threading_layer)")
+
     def moe_flops(tokens: int) -> float:
         v, _ = cpu_moe_flops(profile, fp.geometry, tokens, threads)
         return v or f.cpu_flops

@@ -15,6 +15,7 @@ Decode MoE per strategy (n distinct experts per layer, h hit rate, miss bytes B 
   offload  L fixed_off + max(B / gather + n L e / dev_mem, S)             (gather, then compute on device)
   hybrid   L fixed_hyb + max(f B / gather_c + f B / dev_mem, (1-f) B / cpu_c' + S cpu / cpu_c', B / dram)
            S: the shared expert's CPU seconds where it rides in the routed CPU call (shared_rides), else 0
+           (numba's layer not threadsafe, `overlap` False: offload and hybrid add their two sides instead)
            cpu_c' = cpu_c (t-1)/t: one of the plan's t threads drives the device side (formula);
            (cpu_c, gather_c) the contended pair, their sum capped by DRAM read (autotune/figures.py)
   + hits on the device n L h e / dev_mem, + the NVMe tier q B / nvme_seq (the page cache's share of it
@@ -52,7 +53,11 @@ def moe(f: HostFigures, plan: Plan, fp: Footprint, n: float, hit: float, q_nvme:
     if not f.gpu or plan.moe_strategy == "cpu":
         body = miss / (f.cpu * 1e9) + shared_s
     elif plan.moe_strategy == "offload":
-        body = max(miss / (f.gather * 1e9) + miss / (f.dev_mem * 1e9), shared_s)
+        device = miss / (f.gather * 1e9) + miss / (f.dev_mem * 1e9)
+        body = max(device, shared_s) if f.overlap else device + shared_s
+    elif not f.overlap:                                     # the CPU share after the device's, uncontended
+        fr = plan.fetch_fraction
+        body = fr * miss / (f.gather * 1e9) + fr * miss / (f.dev_mem * 1e9) + (1 - fr) * miss / (f.cpu * 1e9) + shared_s
     else:
         cpu_c, gather_c = f.contended or (f.cpu, f.gather)
         t = plan.cpu_threads or 0

@@ -80,7 +80,7 @@ def fingerprint(checkpoint_dir: Path, geometry_hash: str) -> dict:
                  "versions": {"python": platform.python_version(), "torch": torch.__version__, "numba": numba.__version__,
                               "numpy": numpy.__version__, "dsv41": "0.1.0"},
                  "storage": _storage(checkpoint_dir), "geometry_hash": geometry_hash,
-                 "host_overrides": list(hf.overrides())},
+                 "host_overrides": list(hf.overrides()), "numba_threading_layer": hf.numba_threading_layer()},
     }
 
 

@@ -16,6 +16,7 @@ than the one they run on (docs/host-overrides.md):
 """
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from dataclasses import asdict, dataclass
@@ -230,6 +231,30 @@ def cuda_available() -> bool:
         return bool(torch.cuda.is_available())
     except ImportError:
         return False
+
+
+def numba_threading_layer() -> str:
+    """numba's threading layer in this process (tbb, omp or workqueue; NUMBA_THREADING_LAYER picks one),
+    chosen at its first parallel launch, made here if none ran yet. workqueue (where neither libgomp nor
+    tbb loads, as in slim container images) aborts the process when two threads launch at once."""
+    import numba
+    import numpy as np
+    try:
+        return numba.threading_layer()
+    except ValueError:                                   # no parallel kernel has run yet
+        _first_launch()(np.zeros(2))
+        return numba.threading_layer()
+
+
+@functools.lru_cache(maxsize=1)
+def _first_launch():
+    from numba import njit, prange
+
+    @njit(parallel=True)
+    def touch(a):
+        for i in prange(a.shape[0]):
+            a[i] = i
+    return touch
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import numba
-import numpy as np
-from numba import njit, prange
+
+from hostinfo import numba_threading_layer
 
 
 def set_threads(threads: int | None) -> bool:
@@ -18,20 +18,8 @@ def set_threads(threads: int | None) -> bool:
     return True
 
 
-@njit(parallel=True, cache=True)
-def _first_launch(a):
-    for i in prange(a.shape[0]):
-        a[i] = i
-
-
 def concurrent_ok() -> bool:
-    """Whether two Python threads may run numba's parallel kernels at once. The tbb and omp threading
-    layers are threadsafe; workqueue, numba's fallback where neither loads (no libgomp, as in slim
-    container images, and no tbb), aborts the process on concurrent launches, so callers then run
-    their kernels one after the other."""
-    try:
-        layer = numba.threading_layer()
-    except ValueError:                                   # chosen at the first parallel launch
-        _first_launch(np.zeros(2))
-        layer = numba.threading_layer()
-    return layer != "workqueue"
+    """Whether two Python threads may run numba's parallel kernels at once: the tbb and omp threading
+    layers are threadsafe; workqueue aborts the process on concurrent launches, so callers then run
+    their kernels one after the other (hostinfo.numba_threading_layer)."""
+    return numba_threading_layer() != "workqueue"

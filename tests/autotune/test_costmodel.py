@@ -354,10 +354,18 @@ def test_the_runtime_refuses_another_format_by_name(tmp_path):
 def test_a_shared_expert_riding_in_the_cpu_call_runs_beside_the_devices_share(epyc, v41):
     """On a GPU host the shared expert rides in the CPU call that overlaps the device's share: under
     offload it costs nothing while the gathers take longer; in its own call (two shared experts) it
-    is serial, its own term."""
+    is serial, its own term; where numba's threading layer is not threadsafe the CPU share runs after
+    the device's (the runtime's `overlap`), and the two sides add."""
     plan, wl = Plan(moe_strategy="offload", slot_cache_experts=64, host_expert_budget_gib=100.0), Workload(1024, 64)
     rides = predict(plan, epyc, v41, wl)
     own = predict(plan, epyc, dataclasses.replace(v41, shared_rides=False), wl)
     assert rides.terms["decode_shared_s"] == 0.0 < own.terms["decode_shared_s"]
     assert rides.terms["decode_moe_s"] == pytest.approx(own.terms["decode_moe_s"])   # hidden beside the gathers
     assert rides.decode_tok_s > own.decode_tok_s
+    wq = copy.deepcopy(epyc)                       # numba's workqueue layer: the CPU share runs after the device's
+    wq["host"].setdefault("soft", {})["numba_threading_layer"] = "workqueue"
+    serial = predict(plan, wq, v41, wl)
+    assert serial.terms["decode_moe_s"] == pytest.approx(own.terms["decode_moe_s"] + own.terms["decode_shared_s"])
+    assert any("workqueue" in n for n in serial.notes)
+    hyb = Plan(moe_strategy="hybrid", slot_cache_experts=64, fetch_fraction=0.5, host_expert_budget_gib=100.0)
+    assert predict(hyb, wq, v41, wl).terms["decode_moe_s"] > predict(hyb, epyc, v41, wl).terms["decode_moe_s"]
