@@ -16,7 +16,6 @@ than the one they run on (docs/host-overrides.md):
 """
 from __future__ import annotations
 
-import functools
 import os
 import platform
 from dataclasses import asdict, dataclass
@@ -235,26 +234,16 @@ def cuda_available() -> bool:
 
 def numba_threading_layer() -> str:
     """numba's threading layer in this process (tbb, omp or workqueue; NUMBA_THREADING_LAYER picks one),
-    chosen at its first parallel launch, made here if none ran yet. workqueue (where neither libgomp nor
-    tbb loads, as in slim container images) aborts the process when two threads launch at once."""
+    started here if no parallel kernel has run yet (numba's own start-up, no kernel compiled). workqueue
+    (where neither libgomp nor tbb loads, as in slim container images) aborts the process when two
+    threads launch parallel kernels at once."""
     import numba
-    import numpy as np
     try:
         return numba.threading_layer()
-    except ValueError:                                   # no parallel kernel has run yet
-        _first_launch()(np.zeros(2))
+    except ValueError:                                   # chosen when the pool first starts
+        from numba.np.ufunc.parallel import _launch_threads
+        _launch_threads()
         return numba.threading_layer()
-
-
-@functools.lru_cache(maxsize=1)
-def _first_launch():
-    from numba import njit, prange
-
-    @njit(parallel=True)
-    def touch(a):
-        for i in prange(a.shape[0]):
-            a[i] = i
-    return touch
 
 
 @dataclass(frozen=True)
