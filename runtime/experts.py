@@ -299,7 +299,7 @@ class PlacedExperts:
         if self.stream is not None and self.stream.wants(len(x)):   # a wide prefill call: stream to the device
             y = self.stream.run(self, layer, x, ids_np, w_np, need)
             self.seconds["moe_layer_total"] += time.perf_counter() - t_layer
-            return self._with_shared(layer, x, y, m) if shared else torch.from_numpy(y).to(device=m.device, dtype=m.dtype)
+            return self._finish(layer, x, y, m, own_shared=shared)
         hits = [e for e in need if self.cache.lookup((layer, e)) is not None]
         miss = [e for e in need if e not in hits]
         self.cache.hits += len(hits)
@@ -317,7 +317,7 @@ class PlacedExperts:
         if not dev_keys:                           # nothing for the device: the CPU share inline, no hand-off
             y = self._cpu_part(layer, x, ids_np, w_np, to_cpu, ride) if to_cpu or ride else np.zeros_like(x)
             self.seconds["moe_layer_total"] += time.perf_counter() - t_layer
-            return self._with_shared(layer, x, y, m) if shared and not ride else torch.from_numpy(y).to(device=m.device, dtype=m.dtype)
+            return self._finish(layer, x, y, m, own_shared=shared and not ride)
         y = np.zeros_like(x)
         fut = cpu_y = None
         if (to_cpu or ride) and self.overlap:      # overlapped with the device's share in the worker thread
@@ -340,7 +340,7 @@ class PlacedExperts:
         if cpu_y is not None:
             y += cpu_y
         self.seconds["moe_layer_total"] += time.perf_counter() - t_layer
-        return self._with_shared(layer, x, y, m) if shared and not ride else torch.from_numpy(y).to(device=m.device, dtype=m.dtype)
+        return self._finish(layer, x, y, m, own_shared=shared and not ride)
 
     def _device_round(self, layer, x, ids_np, w_np, keys):
         """Make `keys` (<= slots) resident, touching the resident ones first so no put evicts them; then
@@ -362,12 +362,13 @@ class PlacedExperts:
         self.seconds["device_moe"] += time.perf_counter() - t0
         return y
 
-    def _with_shared(self, layer, x, y, m):
-        """y (the routed experts) + the shared expert in a call of its own (`shared_moe`): where it does
-        not ride in the host bank, or the call streamed through the device. -> [T, H] like m"""
-        T = len(x)
-        bank, row = (self.host[layer], self.shared_row[layer]) if self.shared_row[layer] is not None else (self.shared_bank[layer], 0)
-        y += self._run(bank, x, np.full((T, 1), row, np.int64), np.ones((T, 1), np.float32), "shared_moe")
+    def _finish(self, layer, x, y, m, own_shared: bool):
+        """y [T, H] (the call's experts) as a tensor like m; `own_shared`: the shared expert added from a
+        call of its own (`shared_moe`), where it does not ride in the host bank or the call streamed
+        through the device."""
+        if own_shared:
+            bank, row = (self.host[layer], self.shared_row[layer]) if self.shared_row[layer] is not None else (self.shared_bank[layer], 0)
+            y += self._run(bank, x, np.full((len(x), 1), row, np.int64), np.ones((len(x), 1), np.float32), "shared_moe")
         return torch.from_numpy(y).to(device=m.device, dtype=m.dtype)
 
     # ---------------------------------------------------------------- probes through this path

@@ -195,6 +195,29 @@ def test_the_shared_expert_rides_in_the_routed_call_with_the_same_sum(ck, budget
         pe.close()
 
 
+def test_two_shared_experts_run_in_a_call_of_their_own(tmp_path):
+    """Shared experts wider than a routed one (two: 2I) cannot ride in the host bank: their own bank and
+    call, against the float64 reference."""
+    from runtime.checkpoint.synth import make_checkpoint
+    from runtime.config import ModelConfig
+    from runtime.experts import PlacedExperts, ReferenceExperts
+    ck2 = Checkpoint(make_checkpoint(ModelConfig.preset("tiny").replace(name="tiny-2shared", n_shared_experts=2), tmp_path, seed=0))
+    cfg = ck2.config
+    assert not cfg.shared_rides and not ck2.footprint().shared_rides
+    pe = PlacedExperts(ck2, Plan(cpu_threads=1))
+    try:
+        assert pe.shared_row[2] is None and pe.shared_bank[2].n_experts == 1 and pe.host[2].n_experts == cfg.n_routed_experts
+        g = torch.Generator().manual_seed(6)
+        m = torch.randn(2, cfg.hidden_size, generator=g)
+        ids = torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:cfg.num_experts_per_tok] for _ in range(2)])
+        w = torch.rand(2, cfg.num_experts_per_tok, generator=g)
+        y = pe.routed(2, m, ids, w, shared=True)
+        r = ReferenceExperts(ck2).routed(2, m.double(), ids, w.double(), shared=True)
+        assert ((y.double() - r).norm() / r.norm()) < 1e-5 and pe.seconds["shared_moe"] > 0
+    finally:
+        pe.close()
+
+
 NO_THREADSAFE_LAYER = """
 import json, sys, numba
 from runtime.engine import Engine
