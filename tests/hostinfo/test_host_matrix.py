@@ -113,7 +113,10 @@ def test_one_usable_core_and_a_read_only_checkpoint_directory(tiny_dir, tmp_path
 
 def test_checkpoint_on_tmpfs_and_a_filesystem_without_o_direct(tiny_dir, tmp_path):
     """tmpfs refused O_DIRECT until Linux 6.6; where this kernel's tmpfs takes it, the refusal of an older
-    kernel (or a network filesystem) is reproduced with $DSV41_O_DIRECT=0 on top of the tmpfs."""
+    kernel (or a network filesystem) is reproduced with $DSV41_O_DIRECT=0 on top of the tmpfs. The same
+    process runs numba on its workqueue layer, as a slim container image without libgomp or tbb does
+    (not threadsafe): the profile records it, the cost model reads it (tests/autotune/test_costmodel.py),
+    the runtime's CPU shares then run in turn (tests/runtime/test_runtime.py)."""
     shm = Path("/dev/shm")
     mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
     if not any(m[1] == str(shm) and m[2] == "tmpfs" for m in mounts):
@@ -122,11 +125,12 @@ def test_checkpoint_on_tmpfs_and_a_filesystem_without_o_direct(tiny_dir, tmp_pat
     try:
         ck = root / "tiny"
         shutil.copytree(tiny_dir, ck)
-        env = {"DSV41_LLC_MIB": "2"}
+        env = {"DSV41_LLC_MIB": "2", "NUMBA_THREADING_LAYER": "workqueue"}
         if not o_direct_refusal(next(ck.glob("*.safetensors"))):
             env["DSV41_O_DIRECT"] = "0"
         r = run_case(ck, tmp_path, env)
         check_common(r, env)
+        assert r["host"]["soft"]["numba_threading_layer"] == "workqueue"
         curve = r["measurements"]["nvme_randread_4k"]
         assert all(e["io_path"] == "buffered" and "O_DIRECT" in e["fallback"] for e in curve)
         assert r["info_io"]["profile"].startswith("buffered (")          # shown by dsv41-serve's /dsv41/info too
