@@ -241,9 +241,20 @@ def numba_threading_layer() -> str:
     try:
         return numba.threading_layer()
     except ValueError:                                   # chosen when the pool first starts
-        from numba.np.ufunc.parallel import _launch_threads
+        pass
+    try:
+        from numba.np.ufunc.parallel import _launch_threads   # numba's own start-up (not public API)
         _launch_threads()
-        return numba.threading_layer()
+    except ImportError:                                  # another numba: a first parallel launch starts it
+        import numpy as np
+        prange = numba.prange
+
+        @numba.njit(parallel=True)
+        def touch(a):
+            for i in prange(a.shape[0]):
+                a[i] = i
+        touch(np.zeros(2))
+    return numba.threading_layer()
 
 
 @dataclass(frozen=True)
