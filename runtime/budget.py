@@ -88,12 +88,14 @@ def attention_scratch_bytes(plan: Plan, fp: Footprint, itemsize: int = 4) -> int
 
 
 def decode_scratch_bytes(plan: Plan, fp: Footprint, itemsize: int = 4) -> int:
-    """The decode tokens of up to max_num_seqs sequences in one pass (attention.attend_decode): their
-    rings stacked and extended by the new position [S, R + 1, C] x 4, scores over R + 1 + index_topk x 3,
-    the selected rows [S, k, C] x 3. Never alongside `attention_scratch_bytes` (one runs after the other)."""
-    S, C, k = plan.max_num_seqs, fp.kv_lora_rank, fp.index_topk
+    """The decode tokens of up to max_num_seqs sequences in one pass (attention.attend_decode), their
+    rows held in the forward's buffers (`forward_shared_bytes`): the selected rows' dequantize and
+    RoPE temporaries [S, k, C] x 3, the pass's output [S, Hq, C], and one sequence at a time its
+    scores and softmax over k + R + 1 rows [Hq, k + R + 1] x 2 and its output [Hq, C]. Never alongside
+    `attention_scratch_bytes` (one runs after the other)."""
+    S, C, k, Hq = plan.max_num_seqs, fp.kv_lora_rank, fp.index_topk, fp.num_attention_heads
     R = fp.window_size - 1 + spare(plan)
-    return (4 * S * (R + 1) * C + 3 * S * fp.num_attention_heads * (R + 1 + k) + 3 * S * k * C) * itemsize
+    return (3 * S * k * C + S * Hq * C + 2 * Hq * (k + R + 1) + Hq * C) * itemsize
 
 
 def moe_scratch_bytes(fp: Footprint, T: int) -> int:
@@ -130,9 +132,11 @@ def kv_states_bytes(plan: Plan, fp: Footprint) -> int:
 
 def forward_shared_bytes(plan: Plan, fp: Footprint, itemsize: int = 4) -> int:
     """What one forward's layers share (runtime/model/transformer.py `fw`): the RoPE tables of its
-    positions [T, C/2] x 2 and a decode batch's selected rows (keys and values [S, k, C], ok [S, k])."""
+    positions [T, C/2] x 2 and a decode batch's rows (keys and values [S, k + R + 1, C]: the selected
+    rows, then each layer's visible window keys; R = window - 1 + spare ring slots)."""
     S, C, k = plan.max_num_seqs, fp.kv_lora_rank, fp.index_topk
-    return step_tokens(plan) * C * itemsize + S * k * (2 * C * itemsize + 1)
+    R = fp.window_size - 1 + spare(plan)
+    return step_tokens(plan) * C * itemsize + S * (k + R + 1) * 2 * C * itemsize
 
 
 def _forward_terms(plan: Plan, fp: Footprint) -> dict:
@@ -140,8 +144,8 @@ def _forward_terms(plan: Plan, fp: Footprint) -> dict:
     residual  the residual stream, its norms and projections (8 [T, max(H, Hq C)] floats), the
               Engram rows prefetched for every layer (float32), and what the forward's layers share
               (runtime/model/transformer.py): the RoPE tables [T, C] (cos and sin, C/2 each) and a
-              decode batch's selected rows [S, k, C] x 2 (keys, values), held through the MoE of
-              the layers that reuse them
+              decode batch's rows [S, k + R + 1, C] x 2 (keys, values: the selected rows, held
+              through the MoE of the layers that reuse them, then each layer's window keys)
     attention the indexer peak + the block scratch (or the batched decode pass's, the larger) + one fp8
               tile of the widest linear and its output
     moe       the MoE kernel's scratch

@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from kernels import window_keys
 from runtime.budget import Q_BLOCK, key_tile
 from runtime.model.kv import Compressed, Ring
 
@@ -82,26 +83,22 @@ def select(src: Compressed, qi, wh, pos, window: int, topk: int, dtype, device):
     return idx, ok, peak
 
 
-def attend_decode(q, pos, k_new, v_new, rings: list, window: int, sel=None):
-    """S sequences' one decode query each in one batched pass (continuous batching): the same
-    arithmetic as `attend` per sequence, its rings stacked [S, R, C]. q [S, Hq, C] at pos [S]; k_new,
-    v_new [S, C]; sel: None (window layers) or each sequence's selected rows, padded to the widest:
-    (roped keys [S, k, C], values [S, k, C], ok [S, k], padding False). -> [S, Hq, C]."""
-    C = q.shape[-1]
-    scale = 1.0 / math.sqrt(C)
-    stack = (lambda ts: ts[0][None]) if len(rings) == 1 else torch.stack                # one sequence: a view
-    rk = stack([r.data[0] for r in rings])                                            # [S, R, C]
-    rv = stack([r.data[1] for r in rings])
-    rp = stack([r.pos for r in rings])                                                # [S, R]
-    rp = torch.where((rp >= 0) & (rp < pos[:, None]), rp, NEVER)                      # stale slots (rollback) hidden
-    K, V = torch.cat([rk, k_new[:, None]], 1), torch.cat([rv, v_new[:, None]], 1)   # [S, N, C]
-    kpos = torch.cat([rp, pos[:, None]], 1)                                           # [S, N]
-    mask = (kpos <= pos[:, None]) & (kpos > pos[:, None] - window)
-    s = torch.matmul(q, K.transpose(1, 2)).mul_(scale).masked_fill_(~mask[:, None], float("-inf"))   # [S, Hq, N]
-    if sel is None:
-        return torch.matmul(torch.softmax(s, -1), V)
-    gk, gv, ok = sel
-    sg = torch.matmul(q, gk.transpose(1, 2)).mul_(scale).masked_fill_(~ok[:, None], float("-inf"))   # [S, Hq, k]
-    p = torch.softmax(torch.cat([s, sg], -1), -1)
-    N = K.shape[1]
-    return torch.matmul(p[..., :N], V) + torch.matmul(p[..., N:], gv)
+def attend_decode(q, pos, k_new, v_new, rings: list, window: int, kv, n_sel=None):
+    """S sequences' one decode query each (continuous batching), each over rows of its own: the
+    forward's decode buffers kv = (keys, values) [S, M, C] (M = index_topk + R + 1, transformer.py
+    `_decode_buffers`) hold in rows 0..n_sel[j]-1 sequence j's selected rows (roped keys, values;
+    global layers), and take its visible window keys after them (kernels/window_keys.py: one call, no
+    mask); window layers write theirs after row index_topk. The scores run over those rows alone, so a
+    sequence's arithmetic is the same alone or batched. q [S, Hq, C] at pos [S]; k_new, v_new [S, C].
+    -> [S, Hq, C]."""
+    K, V = kv
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out = torch.empty_like(q)
+    Ka, Va, kna, vna = window_keys.views(K, V, k_new, v_new)
+    for j, (ring, p) in enumerate(zip(rings, pos.tolist())):
+        at = K.shape[1] - ring.R - 1 if n_sel is None else n_sel[j]
+        n = window_keys.gather(ring.views(), p, window, kna[j], vna[j], Ka[j], Va[j], at)
+        lo = at if n_sel is None else 0
+        s = torch.matmul(q[j], K[j, lo:at + n].T).mul_(scale)                            # [Hq, m]
+        out[j] = torch.matmul(torch.softmax(s, -1), V[j, lo:at + n])
+    return out

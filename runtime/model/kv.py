@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels import window_keys
 from kernels.formats import dequantize_fp4_e4m3, dequantize_fp8_rowscale, quantize_fp4_e4m3, quantize_fp8_rowscale
 from runtime.config import ModelConfig
 
@@ -38,6 +39,13 @@ class Ring:
         for d, v in zip(self.data, vals):
             d[slot] = v[-self.R:]
         self.pos[slot] = pos
+
+    def views(self) -> tuple:
+        """(keys, values, positions) as kernels/window_keys.py gathers them; made once (numpy views of
+        CPU tensors share their memory, and `write` writes in place)."""
+        if not hasattr(self, "_views"):
+            self._views = window_keys.views(*self.data, self.pos)
+        return self._views
 
     def get(self, lo: int, hi: int) -> list[torch.Tensor]:
         """Vectors of positions lo..hi-1 (all must be held) -> [hi-lo, w] each."""

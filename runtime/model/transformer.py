@@ -197,14 +197,14 @@ class Model:
         out = torch.empty_like(q)
         if ones:                           # all of the step (decode): rows 0..S-1 in order, a slice
             at = slice(0, len(ones)) if len(ones) == len(h) else torch.tensor([segs[j].a for j in ones], device=self.device)
-            picked = None
+            kv = fw.get("kv") or fw.setdefault("kv", self._decode_buffers(segs[0].st, len(ones)))
+            n_sel = None
             if glob_layer:                 # held in fw (runtime/budget.py counts it through the MoE)
                 key = (c.kv_source_of(i), x)
                 if fw.get("rows", (None,))[0] != key:
-                    fw.pop("rows", None)   # one set alive at a time
-                    fw["rows"] = key, self._selected_rows_batch([segs[j].st.sources[key[0]] for j in ones], [sel[j][x] for j in ones])
-                picked = fw["rows"][1]
-            out[at] = attend_decode(q[at], pos[at], k_new[at], cw[at], [segs[j].st.windows[i] for j in ones], c.window_size, picked)
+                    fw["rows"] = key, self._selected_rows_batch([segs[j].st.sources[key[0]] for j in ones], [sel[j][x] for j in ones], kv)
+                n_sel = fw["rows"][1]
+            out[at] = attend_decode(q[at], pos[at], k_new[at], cw[at], [segs[j].st.windows[i] for j in ones], c.window_size, kv, n_sel)
         for sg, s_sel in zip(segs, sel):
             if sg.b - sg.a > 1:
                 r = slice(sg.a, sg.b)
@@ -229,22 +229,34 @@ class Model:
             return keys, vals, ok[b0:b1]
         return glob
 
-    def _selected_rows_batch(self, srcs, picks):
-        """One query per sequence: each sequence's selected rows (idx [1, k], ok [1, k]) from its own
-        source, padded to the widest k and dequantized and roped in one call (elementwise: the same
-        values as `_selected_rows` per sequence). -> (keys [S, k, C], values [S, k, C], ok [S, k])."""
+    def _decode_buffers(self, st, S: int):
+        """A decode batch's rows (attention.attend_decode), held for the forward: keys and values
+        [S, index_topk + R + 1, C], R the window ring's slots (runtime/budget.py forward_shared_bytes)."""
+        c = self.cfg
+        k = c.index_topk if any(c.layer_mode(i) != "window" for i in range(c.num_hidden_layers)) else 0
+        shape = (S, k + st.windows[0].R + 1, c.kv_lora_rank)
+        return torch.empty(shape, dtype=self.dtype, device=self.device), torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    def _selected_rows_batch(self, srcs, picks, kv):
+        """One query per sequence: each sequence's selected rows (idx [1, k], ok [1, k]; those not ok
+        dropped, the order kept) from its own source, dequantized and roped in one call (elementwise:
+        the same values as `_selected_rows` per sequence) into rows 0.. of the decode buffers kv.
+        -> rows written per sequence."""
         k = max(idx.shape[1] for idx, _ in picks)
         r, S = srcs[0].r, len(srcs)
         codes = srcs[0].lat_codes.new_zeros(S, k, srcs[0].lat_codes.shape[1])
         scales = srcs[0].lat_scales.new_zeros(S, k, srcs[0].lat_scales.shape[1])
         row = torch.zeros(S, k, dtype=torch.long, device=self.device)
-        ok = torch.zeros(S, k, dtype=torch.bool, device=self.device)
+        n_sel = []
         for j, (src, (idx, o)) in enumerate(zip(srcs, picks)):
-            n = idx.shape[1]
-            codes[j, :n], scales[j, :n], row[j, :n], ok[j, :n] = src.lat_codes[idx[0]], src.lat_scales[idx[0]], idx[0], o[0]
+            rows = idx[0][o[0]]
+            n = len(rows)
+            codes[j, :n], scales[j, :n], row[j, :n] = src.lat_codes[rows], src.lat_scales[rows], rows
+            n_sel.append(n)
         vals = dequantize_fp4_e4m3(codes, scales, srcs[0].dtype)                       # [S, k, C]
-        keys = rope(vals.reshape(-1, vals.shape[-1]), ((row + 1) * r - 1).reshape(-1), self.cfg.rope_theta).view_as(vals)
-        return keys, vals, ok
+        kv[0][:, :k] = rope(vals.reshape(-1, vals.shape[-1]), ((row + 1) * r - 1).reshape(-1), self.cfg.rope_theta).view_as(vals)
+        kv[1][:, :k] = vals
+        return n_sel
 
     def _write_source(self, st, s, a, pos):
         st.sources[s].write(pos, self.L(f"layers.{s}.attn.wkv_c", a), self.L(f"layers.{s}.attn.wi_k", a))
