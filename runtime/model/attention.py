@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from kernels import window_keys
+from kernels import indexer_top, window_keys
 from runtime.budget import Q_BLOCK, key_tile
 from runtime.model.kv import Compressed, Ring
 
@@ -63,19 +63,28 @@ def select(src: Compressed, qi, wh, pos, window: int, topk: int, dtype, device):
         z = torch.zeros(T, k, dtype=torch.long, device=device)
         return z, z.bool(), 0
     score = torch.empty(T, n, dtype=dtype, device=device)                             # the chunk x context term
+    one = T == 1 and window_keys.views(score) is not score        # one query, on the CPU: kernels/indexer_top.py
     peak = 0
     tile = key_tile(T, qi.shape[1], n)
     for j0 in range(0, n, tile):
         j1 = min(n, j0 + tile)
         ik = src.index_keys(j0, j1)                                                    # [t, Di]
+        if one:
+            act = torch.matmul(qi[0], ik.T)                                            # [Hi, t]
+            indexer_top.weigh(act.numpy(), wh[0].numpy(), score[0].numpy(), j0)
+            peak = max(peak, nbytes(score, ik, act))
+            continue
         act = torch.einsum("thd,nd->thn", qi, ik).relu_()                              # [T, Hi, t]
         part = torch.einsum("thn,th->tn", act, wh)                                     # [T, t]
         peak = max(peak, nbytes(score, ik, act, part))
         score[:, j0:j1] = part
         del ik, act, part
-    score.masked_fill_(torch.arange(n, device=device)[None] >= n_vis[:, None], float("-inf"))
     idx = torch.empty(T, k, dtype=torch.long, device=device)
     ok = torch.empty(T, k, dtype=torch.bool, device=device)
+    if one:                                                # n = n_vis: every row scored is visible
+        indexer_top.top(score[0].numpy(), k, idx[0].numpy(), ok[0].numpy())
+        return idx, ok, max(peak, nbytes(score, idx, ok) + n * (score.element_size() + 8))   # -score, order
+    score.masked_fill_(torch.arange(n, device=device)[None] >= n_vis[:, None], float("-inf"))
     for b0 in range(0, T, Q_BLOCK):                       # sorted a block of queries at a time
         val, order = torch.sort(score[b0:b0 + Q_BLOCK], dim=-1, descending=True, stable=True)
         idx[b0:b0 + Q_BLOCK], ok[b0:b0 + Q_BLOCK] = order[:, :k], torch.isfinite(val[:, :k])

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import window_keys
+from kernels import indexer_top, window_keys
 from kernels.formats import dequantize_fp4_e4m3, dequantize_fp8_rowscale, quantize_fp4_e4m3, quantize_fp8_rowscale
 from runtime.config import ModelConfig
 
@@ -92,7 +92,15 @@ class Compressed:
         return dequantize_fp4_e4m3(self.lat_codes[idx], self.lat_scales[idx], self.dtype)
 
     def index_keys(self, lo: int, hi: int) -> torch.Tensor:
-        return dequantize_fp8_rowscale(self.ik_codes[lo:hi], self.ik_scale[lo:hi], self.dtype)
+        """Rows lo..hi-1's index keys [hi-lo, Di] in the model's dtype (on the CPU through
+        kernels/indexer_top.py: the same bits)."""
+        out = torch.empty(hi - lo, self.ik_codes.shape[1], dtype=self.dtype, device=self.ik_codes.device)
+        if window_keys.views(out) is out:                                   # not a CPU float tensor
+            return dequantize_fp8_rowscale(self.ik_codes[lo:hi], self.ik_scale[lo:hi], self.dtype)
+        if not hasattr(self, "_ik"):
+            self._ik = self.ik_codes.numpy(), self.ik_scale.numpy()
+        indexer_top.index_keys(self._ik[0][lo:hi], self._ik[1][lo:hi], out.numpy())
+        return out
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.lat_codes, self.lat_scales, self.ik_codes, self.ik_scale))
