@@ -13,7 +13,6 @@ the same order, so both give the attention the same bits (tests/kernels/test_win
 from __future__ import annotations
 
 import numpy as np
-import torch
 from numba import njit
 
 from kernels.cpu_moe import CACHE
@@ -33,18 +32,10 @@ def _gather(rk, rv, rp, p, window, kn, vn, K, V, at):
     return n + 1 - at
 
 
-def views(*ts) -> tuple:
-    """Tensors as `gather` takes them: numpy views of CPU float32 / float64 tensors (the same memory;
-    convert once, not per call: a conversion costs about as much as the copy), else the tensors."""
-    if all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64, torch.int64) for t in ts):
-        return tuple(t.numpy() for t in ts)
-    return ts
-
-
 def gather(ring, p: int, window: int, kn, vn, K, V, at: int) -> int:
     """ring = (keys, values [R, C], positions [R]) a window ring, kn, vn [C] the query's own key and
     value at position p; K, V [M, C] the buffer, written from row `at`. -> rows written (n <= R + 1).
-    numpy arrays (`views`) through numba, tensors through `gather_torch`."""
+    numpy arrays (kernels/arrays.py) through numba, tensors through `gather_torch`."""
     rk, rv, rp = ring
     if K.shape[0] < at + rk.shape[0] + 1:
         raise ValueError(f"window_keys.gather: a buffer of {K.shape[0]} rows cannot take {rk.shape[0] + 1} from row {at}")

@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from kernels.arrays import numba_ok, numpy_views
 from kernels import indexer_top, window_keys
 from runtime.budget import Q_BLOCK, key_tile
 from runtime.model.kv import Compressed, Ring
@@ -63,7 +64,7 @@ def select(src: Compressed, qi, wh, pos, window: int, topk: int, dtype, device):
         z = torch.zeros(T, k, dtype=torch.long, device=device)
         return z, z.bool(), 0
     score = torch.empty(T, n, dtype=dtype, device=device)                             # the chunk x context term
-    one = T == 1 and window_keys.views(score) is not score        # one query, on the CPU: kernels/indexer_top.py
+    one = T == 1 and numba_ok(score)                         # one query, on the CPU: kernels/indexer_top.py
     peak = 0
     tile = key_tile(T, qi.shape[1], n)
     for j0 in range(0, n, tile):
@@ -103,7 +104,7 @@ def attend_decode(q, pos, k_new, v_new, rings: list, window: int, kv, n_sel=None
     K, V = kv
     scale = 1.0 / math.sqrt(q.shape[-1])
     out = torch.empty_like(q)
-    Ka, Va, kna, vna = window_keys.views(K, V, k_new, v_new)
+    Ka, Va, kna, vna = numpy_views(K, V, k_new, v_new)
     for j, (ring, p) in enumerate(zip(rings, pos.tolist())):
         at = K.shape[1] - ring.R - 1 if n_sel is None else n_sel[j]
         n = window_keys.gather(ring.views(), p, window, kna[j], vna[j], Ka[j], Va[j], at)

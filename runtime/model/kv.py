@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import indexer_top, window_keys
+from kernels.arrays import numba_ok, numpy_views
+from kernels import indexer_top, latent_rows, window_keys
 from kernels.formats import dequantize_fp4_e4m3, dequantize_fp8_rowscale, quantize_fp4_e4m3, quantize_fp8_rowscale
 from runtime.config import ModelConfig
 
@@ -44,7 +45,7 @@ class Ring:
         """(keys, values, positions) as kernels/window_keys.py gathers them; made once (numpy views of
         CPU tensors share their memory, and `write` writes in place)."""
         if not hasattr(self, "_views"):
-            self._views = window_keys.views(*self.data, self.pos)
+            self._views = numpy_views(*self.data, self.pos)
         return self._views
 
     def get(self, lo: int, hi: int) -> list[torch.Tensor]:
@@ -91,11 +92,21 @@ class Compressed:
         """Rows idx [...] -> [..., C] in the model's dtype."""
         return dequantize_fp4_e4m3(self.lat_codes[idx], self.lat_scales[idx], self.dtype)
 
+    def rows_into(self, rows, cos, sin, K, V) -> bool:
+        """Rows `rows` [n] dequantized into V [n, C] and roped with (cos, sin) [n, C/2] into K, in one
+        call (kernels/latent_rows.py) where all are CPU float tensors. -> False (nothing done) else."""
+        if not numba_ok(rows, cos, sin, K, V):
+            return False
+        if not hasattr(self, "_lat"):
+            self._lat = self.lat_codes.numpy(), self.lat_scales.numpy()
+        latent_rows.selected(*self._lat, *numpy_views(rows, cos, sin, K, V))
+        return True
+
     def index_keys(self, lo: int, hi: int) -> torch.Tensor:
         """Rows lo..hi-1's index keys [hi-lo, Di] in the model's dtype (on the CPU through
         kernels/indexer_top.py: the same bits)."""
         out = torch.empty(hi - lo, self.ik_codes.shape[1], dtype=self.dtype, device=self.ik_codes.device)
-        if window_keys.views(out) is out:                                   # not a CPU float tensor
+        if not numba_ok(out):
             return dequantize_fp8_rowscale(self.ik_codes[lo:hi], self.ik_scale[lo:hi], self.dtype)
         if not hasattr(self, "_ik"):
             self._ik = self.ik_codes.numpy(), self.ik_scale.numpy()

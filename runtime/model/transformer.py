@@ -239,23 +239,18 @@ class Model:
 
     def _selected_rows_batch(self, srcs, picks, kv):
         """One query per sequence: each sequence's selected rows (idx [1, k], ok [1, k]; those not ok
-        dropped, the order kept) from its own source, dequantized and roped in one call (elementwise:
-        the same values as `_selected_rows` per sequence) into rows 0.. of the decode buffers kv.
-        -> rows written per sequence."""
-        k = max(idx.shape[1] for idx, _ in picks)
-        r, S = srcs[0].r, len(srcs)
-        codes = srcs[0].lat_codes.new_zeros(S, k, srcs[0].lat_codes.shape[1])
-        scales = srcs[0].lat_scales.new_zeros(S, k, srcs[0].lat_scales.shape[1])
-        row = torch.zeros(S, k, dtype=torch.long, device=self.device)
-        n_sel = []
+        dropped, the order kept) from its own source, dequantized and roped (the same values as
+        `_selected_rows`; on the CPU in one numba call, runtime/model/kv.py `rows_into`) into rows 0..
+        of the decode buffers kv. -> rows written per sequence."""
+        c, n_sel = self.cfg, []
         for j, (src, (idx, o)) in enumerate(zip(srcs, picks)):
             rows = idx[0][o[0]]
             n = len(rows)
-            codes[j, :n], scales[j, :n], row[j, :n] = src.lat_codes[rows], src.lat_scales[rows], rows
+            tables = rope_tables((rows + 1) * src.r - 1, c.kv_lora_rank // 2, c.rope_theta, self.dtype)
+            if not src.rows_into(rows, *tables, kv[0][j, :n], kv[1][j, :n]):
+                vals = src.latents(rows)                                             # [n, C]
+                kv[0][j, :n], kv[1][j, :n] = rope(vals, None, c.rope_theta, tables), vals
             n_sel.append(n)
-        vals = dequantize_fp4_e4m3(codes, scales, srcs[0].dtype)                       # [S, k, C]
-        kv[0][:, :k] = rope(vals.reshape(-1, vals.shape[-1]), ((row + 1) * r - 1).reshape(-1), self.cfg.rope_theta).view_as(vals)
-        kv[1][:, :k] = vals
         return n_sel
 
     def _write_source(self, st, s, a, pos):
