@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kernels import norms
+from kernels.arrays import numba_ok, numpy_views
 from kernels.engram_hash import engram_rows, slot_ranges, slot_seeds
 from kernels.formats import dequantize_fp4_e4m3
 from runtime.config import ModelConfig
@@ -40,6 +42,11 @@ from runtime.model.weights import linear
 
 
 def rmsnorm(x, w=None, eps=1e-6):
+    """x [T, H] -> x / sqrt(mean(x^2) + eps) (* w): on the CPU in one numba call (kernels/norms.py)."""
+    if x.dim() == 2 and numba_ok(x, *([] if w is None else [w])):
+        out = torch.empty(x.shape, dtype=x.dtype)
+        norms.rmsnorm(x.numpy(), None if w is None else w.numpy(), eps, out.numpy())
+        return out
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return y if w is None else y * w
 
@@ -60,6 +67,11 @@ def rope(x, pos, theta, tables=None):
     `tables`: rope_tables(pos, D/2, theta, x.dtype) when the caller already holds them."""
     d = x.shape[-1] // 2
     cos, sin = tables if tables is not None else rope_tables(pos, d, theta, x.dtype)
+    if x.dim() in (2, 3) and numba_ok(x, cos, sin) and x.dtype == cos.dtype == sin.dtype:   # one call (kernels/norms.py), the same bits
+        out = torch.empty(x.shape, dtype=x.dtype)
+        x3, o3 = (x, out) if x.dim() == 3 else (x[:, None], out[:, None])
+        norms.rope(x3.numpy(), cos.numpy(), sin.numpy(), o3.numpy())
+        return out
     if x.dim() == 3:                                                       # [T, heads, D]
         cos, sin = cos[:, None], sin[:, None]
     x1, x2 = x[..., :d], x[..., d:]
