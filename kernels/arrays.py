@@ -8,7 +8,10 @@ NUMBA_DTYPES = (torch.float32, torch.float64, torch.int64)
 
 def numba_ok(*ts) -> bool:
     """Whether the numba kernels can take these tensors (CPU, NUMBA_DTYPES)."""
-    return all(t.device.type == "cpu" and t.dtype in NUMBA_DTYPES for t in ts)
+    for t in ts:                                   # a plain loop: called ~60 times a decode token
+        if t.dtype not in NUMBA_DTYPES or t.device.type != "cpu":
+            return False
+    return True
 
 
 def numpy_views(*ts) -> tuple:
