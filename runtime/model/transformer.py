@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kernels import norms
+from kernels import norms, router
 from kernels.arrays import numba_ok, numpy_views
 from kernels.engram_hash import engram_rows, slot_ranges, slot_seeds
 from kernels.formats import dequantize_fp4_e4m3
@@ -295,12 +295,23 @@ class Model:
             ids = w[f"layers.{i}.ffn.tid2eid"][tok]
             wts = torch.full(ids.shape, 1.0 / c.num_experts_per_tok, dtype=self.dtype, device=self.device)
         else:
-            scores = torch.sigmoid(self.L(f"layers.{i}.ffn.gate", m))
-            ids = torch.topk(scores + w[f"layers.{i}.ffn.gate.bias"], c.num_experts_per_tok, dim=-1).indices
-            wts = scores.gather(1, ids)
-            wts = wts / wts.sum(-1, keepdim=True) * c.routed_scaling_factor
+            ids, wts = self._route(self.L(f"layers.{i}.ffn.gate", m), w[f"layers.{i}.ffn.gate.bias"])
         self.phases.add("dense", t0)                                        # the norm and the router
         return self.experts.routed(i, m, ids, wts, shared=bool(c.n_shared_experts))
+
+    def _route(self, logits, bias):
+        """logits [T, E] -> the top num_experts_per_tok of sigmoid + bias (ids [T, K]) and their sigmoid
+        scores normalised x routed_scaling_factor (wts [T, K]); on the CPU in one call (kernels/router.py)."""
+        c, K = self.cfg, self.cfg.num_experts_per_tok
+        if numba_ok(logits, bias):
+            ids = torch.empty(len(logits), K, dtype=torch.long)
+            wts = torch.empty(len(logits), K, dtype=logits.dtype)
+            router.route(logits.numpy(), bias.numpy(), c.routed_scaling_factor, ids.numpy(), wts.numpy())
+            return ids, wts
+        scores = torch.sigmoid(logits)
+        ids = torch.topk(scores + bias, K, dim=-1).indices
+        wts = scores.gather(1, ids)
+        return ids, wts / wts.sum(-1, keepdim=True) * c.routed_scaling_factor
 
     # ------------------------------------------------------------------ Engram
     def _engram_row_ids(self, st, p0, T) -> dict:
@@ -340,10 +351,7 @@ class Model:
             cw = rmsnorm(self.L(f"{p}.attn.wkv", a), w[f"{p}.attn.kv_norm.weight"], c.rms_norm_eps)
             x = x + self.L(f"{p}.attn.wo", cw.repeat(1, c.num_attention_heads))  # one key: softmax = 1
             m = rmsnorm(x, w[f"{p}.ffn_norm.weight"], c.rms_norm_eps)
-            scores = torch.sigmoid(self.L(f"{p}.ffn.gate", m))
-            ids = torch.topk(scores + w[f"{p}.ffn.gate.bias"], c.num_experts_per_tok, dim=-1).indices
-            wts = scores.gather(1, ids)
-            wts = wts / wts.sum(-1, keepdim=True) * c.routed_scaling_factor
+            ids, wts = self._route(self.L(f"{p}.ffn.gate", m), w[f"{p}.ffn.gate.bias"])
             x = x + self.experts.drafter_moe(k, m, ids, wts)
         self.phases.add("dspark_draft", t0)
         out = rmsnorm(x, w["mtp.norm.weight"], c.rms_norm_eps)
