@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.arrays import numba_ok, numpy_views
-from kernels import indexer_top, latent_rows, window_keys
+from kernels import indexer_top, latent_rows
 from kernels.formats import dequantize_fp4_e4m3, dequantize_fp8_rowscale, quantize_fp4_e4m3, quantize_fp8_rowscale
 from runtime.config import ModelConfig
 

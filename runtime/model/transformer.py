@@ -32,9 +32,8 @@ import numpy as np
 import torch
 
 from kernels import norms, router
-from kernels.arrays import numba_ok, numpy_views
+from kernels.arrays import numba_ok
 from kernels.engram_hash import engram_rows, slot_ranges, slot_seeds
-from kernels.formats import dequantize_fp4_e4m3
 from runtime.config import ModelConfig
 from runtime.model.attention import attend, attend_decode, select
 from runtime.model.kv import SeqState
