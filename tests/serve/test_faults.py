@@ -92,6 +92,8 @@ def test_the_server_answers_the_failed_request_with_the_reason_and_serves_the_ne
             assert "EngramReadError" in err["message"] and "offset" in err["message"] and "Input/output error" in err["message"]
             assert client.get("/health").status_code == 200
             ok = client.post("/v1/completions", json=body)
-            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+            done = ok.json()                   # served to its end: all 3 tokens, or the model's own stop
+            assert ok.status_code == 200 and (done["usage"]["completion_tokens"] == 3 or done["choices"][0]["finish_reason"] == "stop")
+            assert done["usage"]["completion_tokens"] >= 1
     finally:
         engine.close()
