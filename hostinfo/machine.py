@@ -13,6 +13,8 @@ than the one they run on (docs/host-overrides.md):
   DSV41_NUMA_NODES   NUMA nodes
   DSV41_O_DIRECT     0: every filesystem refuses O_DIRECT (the buffered fallback runs)
   DSV41_CUDA         0: no CUDA device even where torch sees one
+  DSV41_PROBE_MIB    the most memory one probe may allocate (default a quarter of the available RAM):
+                     a box shared with other work, or a test that needs no GiB-sized buffers
 """
 from __future__ import annotations
 
@@ -198,8 +200,10 @@ def ram_available_bytes() -> int:
 
 def probe_budget_bytes() -> int:
     """The most host memory any one probe may allocate: a quarter of the available RAM (after the RAM
-    override). Probes size their buffers within it and say so when it keeps a buffer inside the cache."""
-    return ram_available_bytes() // 4
+    override), or $DSV41_PROBE_MIB where lower. Probes size their buffers within it and say so when it
+    keeps a buffer inside the cache."""
+    quarter, mib = ram_available_bytes() // 4, _env_num("DSV41_PROBE_MIB", float, 1)
+    return quarter if mib is None else min(quarter, int(mib * 2**20))
 
 
 def numa_nodes() -> int:
@@ -275,7 +279,7 @@ class HostFacts:
 
 
 OVERRIDES = ("DSV41_CPU_ISA", "DSV41_LLC_MIB", "DSV41_LLC_DOMAINS", "DSV41_CORES", "DSV41_RAM_GIB",
-             "DSV41_NUMA_NODES", "DSV41_O_DIRECT", "DSV41_CUDA")
+             "DSV41_NUMA_NODES", "DSV41_O_DIRECT", "DSV41_CUDA", "DSV41_PROBE_MIB")
 
 
 def overrides() -> tuple:

@@ -8,7 +8,8 @@
   sequential reads of expert-sized blocks (GB/s), for experts beyond host RAM
   the reader's software ceiling: rows/s from a page-cached file, where the device is not the limit
 The probe file is the one the Engram tables live on when it is >= 1 GiB, else a 1 GiB scratch file in
-a temporary directory beside the checkpoint (removed after). Where the filesystem refuses O_DIRECT
+a temporary directory beside the checkpoint (removed after; smaller only where the probe memory budget
+is, $DSV41_PROBE_MIB, and then the figures' `path` says so). Where the filesystem refuses O_DIRECT
 (tmpfs, some network filesystems) the reader falls back to buffered reads: every figure records it.
 """
 from __future__ import annotations
@@ -20,11 +21,12 @@ from pathlib import Path
 
 import numpy as np
 
-from hostinfo import o_direct_refusal
+from hostinfo import o_direct_refusal, probe_budget_bytes
 from hostinfo.measure import Measurement
 from runtime.io_reader import ASYNC, BLOCK, BatchedReader
 
 MIN_FILE = 1 << 30
+CHUNK = 64 << 20                   # the scratch file is written in chunks of random bytes
 DEPTHS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -40,10 +42,13 @@ def probe_file(preferred: Path | None, checkpoint_dir: Path) -> tuple[Path, str]
     except OSError:
         d, where = Path(tempfile.mkdtemp(prefix="dsv41-probe-")), "system temporary directory (checkpoint's parent not writable)"
     path = d / "nvme-probe.bin"
-    chunk = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes()
+    size = max(CHUNK, min(MIN_FILE, probe_budget_bytes()) // CHUNK * CHUNK)
+    if size < MIN_FILE:
+        where += f", {size >> 20} MiB: the probe memory budget keeps it under 1 GiB"
+    chunk = np.random.default_rng(0).integers(0, 255, CHUNK, dtype=np.uint8).tobytes()
     try:
         with open(path, "wb") as f:
-            for _ in range(MIN_FILE // len(chunk)):
+            for _ in range(size // CHUNK):
                 f.write(chunk)
             f.flush()
             os.fsync(f.fileno())

@@ -80,6 +80,21 @@ def test_ram_override_caps_total_and_available(monkeypatch):
     assert hostinfo.probe_budget_bytes() <= 512 << 20
 
 
+def test_probe_override_caps_the_probe_budget_only(monkeypatch):
+    monkeypatch.setenv("DSV41_RAM_GIB", "4")                              # a quarter of available: <= 1 GiB
+    total, quarter = hostinfo.ram_total_bytes(), hostinfo.ram_available_bytes() // 4
+    monkeypatch.setenv("DSV41_PROBE_MIB", "64")
+    assert hostinfo.probe_budget_bytes() == min(quarter, 64 << 20)
+    monkeypatch.setenv("DSV41_PROBE_MIB", "100000")                       # never above the quarter
+    assert hostinfo.probe_budget_bytes() == quarter
+    assert hostinfo.ram_total_bytes() == total                           # RAM itself is not capped
+    monkeypatch.setenv("DSV41_PROBE_MIB", "64")
+    assert "DSV41_PROBE_MIB=64" in hostinfo.facts().overrides
+    monkeypatch.setenv("DSV41_PROBE_MIB", "0")
+    with pytest.raises(hostinfo.HostFactError, match="DSV41_PROBE_MIB"):
+        hostinfo.probe_budget_bytes()
+
+
 def test_o_direct_override_and_cuda_override(monkeypatch, tmp_path):
     f = tmp_path / "f.bin"
     f.write_bytes(b"x" * 8192)
