@@ -67,8 +67,8 @@ def cmd_plan(args) -> int:
             plan = plan.replace(vram_budget_gib=args.vram_budget)
         results, study = [(plan, predict(plan, profile, fp, wl, args.allow_inexact_prefill))], None
     else:
-        from autotune.search import default_storage
-        study, results = search(profile, fp, wl, n_trials=args.trials, storage=args.storage or default_storage(),
+        from autotune.search import open_storage
+        study, results = search(profile, fp, wl, n_trials=args.trials, storage=open_storage(args.storage),
                                 vram_budget_gib=args.vram_budget, allow_inexact=args.allow_inexact_prefill)
         if not results:
             raise ValueError(f"no feasible plan for {fp.model} on {profile['host'].get('name')}: "

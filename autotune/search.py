@@ -28,6 +28,18 @@ CHUNKS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 CONTEXTS = (8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576)
 
 
+def open_storage(url: str | None):
+    """The Optuna storage for `url` (None: default_storage()), opened now: a URL Optuna cannot open is a
+    ValueError naming it before any probe or trial runs, not a traceback after them."""
+    if url is None:
+        return default_storage()
+    import optuna
+    try:
+        return optuna.storages.get_storage(url)
+    except Exception as e:                       # sqlalchemy's OperationalError, an unknown scheme, ...
+        raise ValueError(f"--storage {url}: Optuna cannot open it ({str(e).splitlines()[0]})") from None
+
+
 def default_storage():
     """A journal file under $DSV41_CACHE (default ~/.cache/dsv41): studies persist, a rerun resumes."""
     import os

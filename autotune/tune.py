@@ -17,7 +17,7 @@ from autotune.costmodel import predict
 from hostinfo.fingerprint import compare, fingerprint
 from runtime.profile import ProfileError, load_profile, save_profile
 from autotune.profiler import run_profile
-from autotune.search import default_storage, search
+from autotune.search import open_storage, search
 from autotune.validate import calibration, dspark_acceptance, freetoken_baseline, measure_plans, noise_floor, pick, summarize
 from runtime.checkpoint.reader import Checkpoint
 from runtime.workload import Workload, make_prompt
@@ -50,6 +50,7 @@ def tune(checkpoint, out, wl: Workload, allow_inexact=False, quick=False, storag
     ck = Checkpoint(checkpoint)
     fp = ck.footprint()
     out = Path(out)
+    storage_url, storage = storage, open_storage(storage)
     prof, why = _fresh(out, ck)
     if prof is None:
         log(f"profiling this host ({why})")
@@ -59,7 +60,6 @@ def tune(checkpoint, out, wl: Workload, allow_inexact=False, quick=False, storag
     kept = (prof.pop("calibration", None) or {}).get("dspark_p_accept")   # the search ranks on the uncalibrated
     if kept is not None:                               # model, with the drafter's acceptance measured here
         prof["calibration"] = {"dspark_p_accept": kept}
-    storage = storage or default_storage()
     trials = 300 if quick else 2000
     log(f"searching {trials} plans with the cost model")
     study, results = search(prof, fp, wl, n_trials=trials, storage=storage, allow_inexact=allow_inexact)
@@ -107,7 +107,7 @@ def tune(checkpoint, out, wl: Workload, allow_inexact=False, quick=False, storag
     prof["predicted"] = final.to_dict()
     prof["validation"] = {
         "workload": {"prompt_tokens": wl.prompt_tokens, "max_tokens": wl.max_tokens, "ttft_budget_s": wl.ttft_budget_s},
-        "noise_floor": floor, "study": study.study_name, "storage": str(storage if isinstance(storage, str) else "journal:$DSV41_CACHE"),
+        "noise_floor": floor, "study": study.study_name, "storage": storage_url or "journal:$DSV41_CACHE",
         "rows": [_evidence(r, predict(r["plan"], prof, fp, wl, allow_inexact)) for r in rows],
         "picked": rows.index(win),
     }
