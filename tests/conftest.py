@@ -2,6 +2,7 @@
 tune of this host, and a live dsv41-serve process on loopback."""
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -32,10 +33,21 @@ def full_skeleton(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tuned(tiny_dir, tmp_path_factory):
-    """dsv41-tune end to end (quick) on tiny: this host's profile with plan, predictions and validation."""
+def quick_profile(tiny_dir, tmp_path_factory):
+    """`dsv41-tune profile --quick` on tiny: this host's measurements (no plan yet)."""
+    out = tmp_path_factory.mktemp("prof") / "host.json"
+    assert tune_main(["profile", "--checkpoint", str(tiny_dir), "--quick", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def tuned(tiny_dir, quick_profile, tmp_path_factory):
+    """dsv41-tune end to end (quick) on tiny: this host's profile with plan, predictions and validation.
+    It starts from quick_profile's file, as a user's tune after `dsv41-tune profile` does (a fresh
+    profile is reused: one profile of this host per test session)."""
     d = tmp_path_factory.mktemp("tune")
     out = d / "host.json"
+    shutil.copy(quick_profile, out)
     assert tune_main(["--checkpoint", str(tiny_dir), "--quick", "--out", str(out), "--prompt-tokens", "96",
                       "--max-tokens", "12", "--storage", f"sqlite:///{d / 'studies.db'}"]) == 0
     return out

@@ -5,19 +5,11 @@ import os
 
 import pytest
 
-from autotune.cli import main as tune_main
 from hostinfo import cuda_available
 from hostinfo.fingerprint import compare, fingerprint
 from runtime.profile import HARD_FIELDS, load_profile
 from runtime.checkpoint.reader import Checkpoint
 from runtime.io_reader import BatchedReader
-
-
-@pytest.fixture(scope="module")
-def quick_profile(tiny_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("prof") / "host.json"
-    assert tune_main(["profile", "--checkpoint", str(tiny_dir), "--quick", "--out", str(out)]) == 0
-    return out
 
 
 def test_quick_profile_is_complete_and_valid(quick_profile, tiny_dir):

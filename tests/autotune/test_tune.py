@@ -38,7 +38,10 @@ def test_end_to_end_writes_a_valid_profile_with_evidence(tuned):
         assert set(picked["predicted"]["calibrated"][part]) == set(picked["predicted"]["raw"][part])
 
 
-def test_a_fresh_profile_is_reused_and_a_stale_one_is_not(tuned, tiny_dir, tmp_path):
+def test_a_fresh_profile_is_reused_and_a_stale_one_is_not(tuned, quick_profile, tiny_dir, tmp_path):
+    before, after = load_profile(quick_profile), load_profile(tuned)     # the tune started from quick_profile's
+    assert after["measured_at"] == before["measured_at"] and after["measurements"] == before["measurements"]
+    assert before["validation"] is None and after["validation"]["rows"]
     ck = Checkpoint(tiny_dir)
     prof, why = _fresh(tuned, ck)
     assert prof is not None and why == "fresh"
@@ -134,3 +137,12 @@ def test_measured_dspark_acceptance_replaces_the_assumed_one():
     assert measured.decode_tok_s < assumed.decode_tok_s                 # 0.35 < the assumed 0.7
     assert measured.terms["dspark_accepted"] == pytest.approx(sum(p ** i for i in range(4)))
     assert any("measured on this checkpoint" in n for n in measured.notes) and any("assumed" in n for n in assumed.notes)
+
+
+def test_a_storage_optuna_cannot_open_is_named_before_any_probe_runs(tiny_dir, tmp_path, capsys):
+    from autotune.cli import main as tune_main
+    url = f"sqlite:///{tmp_path / 'missing' / 's.db'}"           # its directory does not exist
+    rc = tune_main(["--checkpoint", str(tiny_dir), "--quick", "--out", str(tmp_path / "host.json"), "--storage", url])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--storage {url}" in err and "probe:" not in err
+    assert not (tmp_path / "host.json").exists()
