@@ -42,16 +42,19 @@ LAMBDAS = (0.01, 0.1, 1.0, 10.0, 100.0)        # x mean(X^2) x n: ridge strength
 
 
 def _ridge(X, Y, lam: float, prior: bool) -> torch.Tensor:
-    """Ridge regression Y ~ X W^T in its dual form (an n x n solve: the features outnumber the tokens
-    on mini), shrunk toward W0: zero, or (prior) the scaled identity on the token-embedding block,
-    i.e. "the next state looks like the current token"."""
-    H = Y.shape[1]
-    W0 = torch.zeros(H, X.shape[1], dtype=torch.float64)
+    """Ridge regression Y ~ X W^T [n tokens, d features], shrunk toward W0: zero, or (prior) the scaled
+    identity on the token-embedding block, i.e. "the next state looks like the current token". The
+    smaller solve of the two equal forms: W0 + R^T X (X^T X + l I_d)^-1 = W0 + R^T (X X^T + l I_n)^-1 X,
+    R = Y - X W0^T (d x d on tiny: 256 features, 3000 tokens; n x n on mini: 20480 features)."""
+    (n, d), H = X.shape, Y.shape[1]
+    W0 = torch.zeros(H, d, dtype=torch.float64)
     if prior:
         E = X[:, :H]
         W0[:, :H] = float((E * Y).sum() / (E * E).sum()) * torch.eye(H, dtype=torch.float64)
-    K = X @ X.T + lam * float(X.pow(2).mean()) * len(X) * torch.eye(len(X), dtype=torch.float64)
-    return W0 + torch.linalg.solve(K, Y - X @ W0.T).T @ X
+    R, lam = Y - X @ W0.T, lam * float(X.pow(2).mean()) * n
+    if d < n:
+        return W0 + torch.linalg.solve(X.T @ X + lam * torch.eye(d, dtype=torch.float64), X.T @ R).T
+    return W0 + torch.linalg.solve(X @ X.T + lam * torch.eye(n, dtype=torch.float64), R).T @ X
 
 
 def distill_drafter(root, n_tokens: int | None = None) -> dict:

@@ -139,3 +139,24 @@ def test_the_distilled_drafter_is_neither_useless_nor_perfect(tiny_dir, prompts,
         assert K <= union <= min(e.cfg.n_routed_experts, len(prompt) * K)
     e.close()
     assert 0.08 < accepted / drafted < 0.7, accepted / drafted
+
+
+@pytest.mark.parametrize("n,d", [(60, 24), (24, 60)])        # the d x d form (tiny) and the n x n form (mini)
+@pytest.mark.parametrize("prior", [False, True])
+def test_the_drafter_fit_is_the_ridge_solution_in_either_form(n, d, prior):
+    from runtime.checkpoint.distill import _ridge
+    g = torch.Generator().manual_seed(n + d)
+    H = 8
+    X, Y = torch.randn(n, d, generator=g, dtype=torch.float64), torch.randn(n, H, generator=g, dtype=torch.float64)
+    lam = 0.1
+    W = _ridge(X, Y, lam, prior)
+    # reference: least squares on the stacked system [X; sqrt(l) I] W^T = [Y; sqrt(l) W0^T], W0 as documented
+    W0 = torch.zeros(H, d, dtype=torch.float64)
+    if prior:
+        E = X[:, :H]
+        W0[:, :H] = float((E * Y).sum() / (E * E).sum()) * torch.eye(H, dtype=torch.float64)
+    s = (lam * float(X.pow(2).mean()) * n) ** 0.5
+    A = torch.cat([X, s * torch.eye(d, dtype=torch.float64)])
+    B = torch.cat([Y, s * W0.T])
+    ref = torch.linalg.lstsq(A, B).solution.T
+    assert torch.allclose(W, ref, rtol=1e-9, atol=1e-10)
