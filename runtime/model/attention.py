@@ -107,7 +107,7 @@ def attend_decode(q, pos, k_new, v_new, rings: list, window: int, kv, n_sel=None
     Ka, Va, kna, vna = numpy_views(K, V, k_new, v_new)
     for j, (ring, p) in enumerate(zip(rings, pos.tolist())):
         at = K.shape[1] - ring.R - 1 if n_sel is None else n_sel[j]
-        n = window_keys.gather(ring.views(), p, window, kna[j], vna[j], Ka[j], Va[j], at)
+        n = window_keys.gather(ring.views, p, window, kna[j], vna[j], Ka[j], Va[j], at)
         lo = at if n_sel is None else 0
         s = torch.matmul(q[j], K[j, lo:at + n].T).mul_(scale)                            # [Hq, m]
         out[j] = torch.matmul(torch.softmax(s, -1), V[j, lo:at + n])

@@ -30,6 +30,9 @@ class Ring:
         self.R = R
         self.data = [torch.zeros(R, w, dtype=dtype, device=device) for w in widths]
         self.pos = torch.full((R,), -1, dtype=torch.long, device=device)
+        # (keys, values, positions) as kernels/window_keys.py gathers them: numpy views of CPU tensors
+        # share their memory and `write` writes in place, so they are made once
+        self.views = numpy_views(*self.data, self.pos)
 
     def write(self, pos: torch.Tensor, *vals: torch.Tensor) -> None:
         """pos [T] ascending; vals [T, w] each. Only the last R positions can be kept."""
@@ -40,13 +43,6 @@ class Ring:
         for d, v in zip(self.data, vals):
             d[slot] = v[-self.R:]
         self.pos[slot] = pos
-
-    def views(self) -> tuple:
-        """(keys, values, positions) as kernels/window_keys.py gathers them; made once (numpy views of
-        CPU tensors share their memory, and `write` writes in place)."""
-        if not hasattr(self, "_views"):
-            self._views = numpy_views(*self.data, self.pos)
-        return self._views
 
     def get(self, lo: int, hi: int) -> list[torch.Tensor]:
         """Vectors of positions lo..hi-1 (all must be held) -> [hi-lo, w] each."""
@@ -72,6 +68,9 @@ class Compressed:
         self.lat_codes, self.lat_scales = torch.zeros(n, C // 2, **u8), torch.zeros(n, C // 16, **u8)
         self.ik_codes, self.ik_scale = torch.zeros(n, Di, **u8), torch.zeros(n, dtype=torch.float32, device=device)
         self.tail = Ring(r + spare, (C, Di), dtype, device)
+        cpu = self.lat_codes.device.type == "cpu"      # the stored rows as the CPU kernels read them (views, made once)
+        self._lat = (self.lat_codes.numpy(), self.lat_scales.numpy()) if cpu else None
+        self._ik = (self.ik_codes.numpy(), self.ik_scale.numpy()) if cpu else None
 
     def write(self, pos: torch.Tensor, lat: torch.Tensor, ik: torch.Tensor) -> None:
         """Positions pos [T] (contiguous) with their latents [T, C] and index keys [T, Di]: every row
@@ -97,8 +96,6 @@ class Compressed:
         call (kernels/latent_rows.py) where all are CPU float tensors. -> False (nothing done) else."""
         if not numba_ok(rows, cos, sin, K, V):
             return False
-        if not hasattr(self, "_lat"):
-            self._lat = self.lat_codes.numpy(), self.lat_scales.numpy()
         latent_rows.selected(*self._lat, *numpy_views(rows, cos, sin, K, V))
         return True
 
@@ -108,8 +105,6 @@ class Compressed:
         out = torch.empty(hi - lo, self.ik_codes.shape[1], dtype=self.dtype, device=self.ik_codes.device)
         if not numba_ok(out):
             return dequantize_fp8_rowscale(self.ik_codes[lo:hi], self.ik_scale[lo:hi], self.dtype)
-        if not hasattr(self, "_ik"):
-            self._ik = self.ik_codes.numpy(), self.ik_scale.numpy()
         indexer_top.index_keys(self._ik[0][lo:hi], self._ik[1][lo:hi], out.numpy())
         return out
 

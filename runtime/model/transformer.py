@@ -101,6 +101,7 @@ class Model:
         self.dtype, self.device = dtype, device
         self.cmap = cmap
         self.phases = Phases()
+        self._global_layers = any(cfg.layer_mode(i) != "window" for i in range(cfg.num_hidden_layers))
         if cfg.engram_layer_ids:
             S = cfg.engram_slots
             self.engram_ranges = {i: slot_ranges(rows, S) + (slot_seeds(i, S),)
@@ -244,7 +245,7 @@ class Model:
         """A decode batch's rows (attention.attend_decode), held for the forward: keys and values
         [S, index_topk + R + 1, C], R the window ring's slots (runtime/budget.py forward_shared_bytes)."""
         c = self.cfg
-        k = c.index_topk if any(c.layer_mode(i) != "window" for i in range(c.num_hidden_layers)) else 0
+        k = c.index_topk if self._global_layers else 0
         shape = (S, k + st.windows[0].R + 1, c.kv_lora_rank)
         return torch.empty(shape, dtype=self.dtype, device=self.device), torch.empty(shape, dtype=self.dtype, device=self.device)
 

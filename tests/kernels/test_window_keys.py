@@ -37,7 +37,7 @@ def test_gather_takes_exactly_the_visible_slots_in_slot_order_then_the_new_key(R
     want = [s for s in range(R) if 0 <= int(ring.pos[s]) < p and int(ring.pos[s]) > p - window]
     for numba_form in (True, False):                  # numpy views through numba, tensors through torch ops
         K, V = torch.full((at + R + 1, C), 7.0), torch.full((at + R + 1, C), 7.0)
-        args = (ring.views(), kn.numpy(), vn.numpy(), K.numpy(), V.numpy()) if numba_form else \
+        args = (ring.views, kn.numpy(), vn.numpy(), K.numpy(), V.numpy()) if numba_form else \
             ((*ring.data, ring.pos), kn, vn, K, V)
         assert isinstance(args[0][0], np.ndarray) == numba_form
         n = window_keys.gather(args[0], p, window, *args[1:], at)
@@ -51,7 +51,7 @@ def test_a_buffer_too_small_is_refused_with_its_rows():
     ring = Ring(5, (4, 4), torch.float32, "cpu")
     K = torch.empty(5, 4)
     with pytest.raises(ValueError, match="buffer of 5 rows cannot take 6 from row 0"):
-        window_keys.gather(ring.views(), 3, 4, K[0].numpy(), K[0].numpy(), K.numpy(), K.clone().numpy(), 0)
+        window_keys.gather(ring.views, 3, 4, K[0].numpy(), K[0].numpy(), K.numpy(), K.clone().numpy(), 0)
 
 
 def _reference(q, p, kn, vn, ring, window, gk, gv):
