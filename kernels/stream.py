@@ -1,7 +1,7 @@
 """DRAM stream read: the figure every CPU-side ratio is held against.
 
 A numba parallel reduction over a float32 buffer of at least 4x the total last-level cache (every
-domain) and 2 GiB, within the probe memory budget (hostinfo), one contiguous share per thread, read
+domain) and 1 GiB (a VM may take ~10 s per GiB the first time a process touches fresh memory), within the probe memory budget (hostinfo), one contiguous share per thread, read
 with explicit 64-byte vector loads (LLVM's auto-vectorizer picked 256-bit ones, ~20% less from DRAM on
 one Xeon). The buffer is touched first (no page faults in the timed runs); numpy asks the kernel for
 transparent huge pages on it (madvise) where the OS offers them.
@@ -75,7 +75,7 @@ def _sum_streams(a, nthreads, streams):
     return part.sum()
 
 
-def stream_buffer_bytes(min_bytes: int = 2 << 30) -> tuple[int, str]:
+def stream_buffer_bytes(min_bytes: int = 1 << 30) -> tuple[int, str]:
     """-> (bytes, note): 4x the total LLC and at least `min_bytes`, within the probe memory budget; the
     note says when the budget kept the buffer under 4x the LLC (then part of it is a cache figure)."""
     llc, cap = llc_bytes(), probe_budget_bytes()
