@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import numba
 import numpy as np
@@ -30,7 +29,8 @@ from autotune.probes.cpu_moe import bank_size  # noqa: E402
 from hostinfo import llc_bytes, usable_cores  # noqa: E402
 from hostinfo.measure import Measurement, measure  # noqa: E402
 from kernels.stream import dram_stream_read  # noqa: E402
-from kernels.cpu_moe import ISA, Fp4Bank, dequant_experts, expert_ffn, expert_ffn_dense  # noqa: E402
+from kernels.int8_peak import measure_peak  # noqa: E402
+from kernels.cpu_moe import ISA, MODE, Fp4Bank, dequant_experts, expert_ffn, expert_ffn_dense  # noqa: E402
 
 GEOMETRIES = {"v4.1": (5120, 2304), "v4-flash": (4096, 2048), "small": (2048, 768)}
 
@@ -63,8 +63,9 @@ def decode_step(bank, T=1, pool=None, streams=4):
         ids = plan[state["i"] % len(plan)]
         state["i"] += 1
         fn.bytes = len(np.unique(ids)) * bank.expert_bytes
+        fn.macs = ids.size * 3 * bank.hidden * bank.inter          # int8 products: gate/up H x 2I, down I x H
         expert_ffn(x, ids, w, bank, streams=streams)
-    fn.bytes = 0
+    fn.bytes = fn.macs = 0
     return fn
 
 
@@ -101,7 +102,7 @@ def main(argv=None):
     rows, head = [], None
     print(f"ISA {ISA}, LLC {llc_bytes() / 2**20:.0f} MiB, threads {args.threads}", flush=True)
 
-    stream, layouts = {}, {}
+    stream, layouts, peak = {}, {}, None
     for name, (H, I) in GEOMETRIES.items():
         if args.quick and name != "v4.1":
             continue
@@ -130,6 +131,10 @@ def main(argv=None):
             t = max(args.threads)
             numba.set_num_threads(t)
             s_med = float(np.median(stream[t]))
+            peak = measure_peak(MODE, t) if MODE else None     # the products' roof of wide calls (kernels/int8_peak.py)
+            if peak:
+                print(f"int8 products at the kernel's mix, {t} threads: {peak.median / 1e9:.0f} GMAC/s "
+                      f"(spread {peak.min / 1e9:.0f}-{peak.max / 1e9:.0f})", flush=True)
             for W in (2, 4, 6, 8):                            # DSpark verify / continuous batching widths
                 for pool, what in ((10, "verify: experts from a pool of 10"), (bank.n_experts, "batch: independent tokens")):
                     ver = decode_step(bank, T=W, pool=pool, streams=layouts[(name, t)])
@@ -137,9 +142,14 @@ def main(argv=None):
                     r = row(geometry=name, shape=f"{H}x{I}", tokens=W, threads=t, kernel_gbs=gbs(m, ver.bytes),
                             stream_gbs=round(s_med, 3), pool=pool, note=f"{W}-token {what} (GB/s of distinct experts)")
                     r["ratio"] = round(r["kernel_gbs"] / s_med, 3)
+                    roof = ""
+                    if peak:                                  # GB/s of distinct bytes the products allow
+                        r["compute_roof_gbs"] = round(peak.median * ver.bytes / ver.macs / 1e9, 3)
+                        r["roof_ratio"] = round(r["kernel_gbs"] / min(s_med, r["compute_roof_gbs"]), 3)
+                        roof = f"  (products' roof {r['compute_roof_gbs']:.1f} GB/s; of min(stream, roof) {r['roof_ratio']:.2f})"
                     rows.append(r)
                     print(f"{name:9s} width {W} {'verify' if pool == 10 else 'batch ':6s} threads {t}: kernel {r['kernel_gbs']:6.2f} GB/s"
-                          f"  ratio {r['ratio']:.2f}", flush=True)
+                          f"  ratio {r['ratio']:.2f}{roof}", flush=True)
             # naive baseline: torch dequantize to float then matmul, one token x 6 experts
             x = torch.randn(1, H)
             def naive(state={"i": 0}):
@@ -175,6 +185,8 @@ def main(argv=None):
         del bank
     out = {"kernel_gbs": head["kernel_gbs"], "stream_gbs": head["stream_gbs"], "ratio": head["ratio"], "streams": head["streams"],
            "threads": head["threads"], "isa": ISA, "rows": rows}
+    if peak:
+        out["int8_peak_gmacs"] = round(peak.median / 1e9, 1)
     if args.json:
         print(json.dumps(out))
     return out

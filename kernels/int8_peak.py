@@ -1,0 +1,127 @@
+"""The host's int8 dot-product peak at the CPU-MoE kernel's instruction mix: the compute roof of wide calls.
+
+A verify block or a continuous batch of W tokens meets each expert's bytes once but does W inputs' int8
+products on them, so past some width the kernel (kernels/fp4_i8.py) is bound by its products, not by
+DRAM. This measures that limit on the same instruction path (`MODE`): per iteration, 8 code vectors
+loaded once (the kernel decodes them once per row) and, for each of `CHAINS` inputs, 8 input vectors
+loaded and 8 products summed into that input's accumulator (`_Step.dot`: `vpdpbusd` with VNNI,
+`vpmaddubsw` + `vpmaddwd` without). Everything sits in L1, so the figure is the products' rate with no
+decode, no float epilogue and no DRAM: an upper bound the real kernel does not reach.
+
+    macs per iteration = CHAINS x 8 x (bytes per vector)      (one u8 x s8 product per byte)
+
+`int8_dot_peak(mode, iters, codes, q, out)`: out[c] = the sum, over iterations and lanes, of input
+chain c's products (int32 lanes, wrapping as the hardware does; exact for small `iters`, tested).
+"""
+from __future__ import annotations
+
+import time
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from kernels.fp4_i8 import STEP, SUPER, _Step
+from kernels.fp4_simd import _data_ptrs, _literal
+
+CHAINS = 6                          # independent accumulators (inputs): enough to cover the products' latency
+SLOTS = 4                           # iteration i reads slot i % SLOTS of each buffer (no loop-invariant loads)
+i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+
+
+def buffer_bytes(mode: int) -> tuple[int, int]:
+    """(code bytes, input bytes) the kernel reads: 2 x SUPER vectors per slot, and that per chain."""
+    per_slot = 2 * SUPER * STEP[mode]
+    return SLOTS * per_slot, SLOTS * CHAINS * per_slot
+
+
+def macs_per_iter(mode: int) -> int:
+    return CHAINS * 2 * SUPER * STEP[mode]
+
+
+@intrinsic
+def int8_dot_peak(typingctx, mode_t, iters, codes, q, out):
+    mode = _literal(mode_t)
+    if mode is None:
+        return None
+    if mode not in STEP:
+        raise TypeError("mode must be 1 (AVX2), 2 (AVX-512BW) or 3 (AVX-512 VNNI)")
+    sig = types.void(mode_t, iters, codes, q, out)
+
+    def codegen(context, builder, signature, args):
+        cbase, qbase, obase = _data_ptrs(context, builder, signature.args[2:], args[2:], (0, 1, 2))
+        st = _Step(builder, STEP[mode], mode == 3)
+        nb, c64 = st.nb, (lambda v: ir.Constant(i64, v))  # noqa: E731
+        slot = 2 * SUPER * nb
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(st.vi, [0] * st.n)) for _ in range(CHAINS)]
+        with cgutils.for_range(builder, args[1]) as loop:
+            s = builder.urem(loop.index, c64(SLOTS))
+            cs = builder.mul(s, c64(slot))
+            lohi = [(st.load(cbase, builder.add(cs, c64(2 * k * nb)), st.vb),
+                     st.load(cbase, builder.add(cs, c64((2 * k + 1) * nb)), st.vb)) for k in range(SUPER)]
+            for c in range(CHAINS):
+                qs0 = builder.mul(builder.add(builder.mul(s, c64(CHAINS)), c64(c)), c64(slot))
+                qs = [(st.load(qbase, builder.add(qs0, c64(2 * k * nb)), st.vb),
+                       st.load(qbase, builder.add(qs0, c64((2 * k + 1) * nb)), st.vb)) for k in range(SUPER)]
+                builder.store(st.dot(builder.load(accs[c]), lohi, qs), accs[c])
+        red = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32, [st.vi]),
+                                             f"llvm.vector.reduce.add.v{st.n}i32")
+        for c in range(CHAINS):
+            total = builder.sext(builder.call(red, [builder.load(accs[c])]), i64)
+            builder.store(total, builder.gep(obase, [c64(c)]))
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+_RUNNERS: dict = {}
+
+
+def runner(mode: int):
+    """run(iters, codes, q, out, threads): the peak kernel on `threads` threads, one compiled function per
+    instruction path (the path is a constant in it: a literal argument would cost a dispatch of ~10 ms
+    per call, and one function holding every path would not compile where the CPU lacks the widest)."""
+    if mode not in _RUNNERS:
+        @numba.njit(parallel=True)
+        def run(iters, codes, q, out, threads):
+            for t in numba.prange(threads):
+                int8_dot_peak(mode, iters, codes[t], q[t], out[t])
+        _RUNNERS[mode] = run
+    return _RUNNERS[mode]
+
+
+def buffers(mode: int, threads: int, seed: int = 0):
+    """Per thread: code bytes in the kernel's range (2 E2M1 + 12, 0..24) and int8 inputs in [-127, 127]."""
+    nc, nq = buffer_bytes(mode)
+    rng = np.random.default_rng(seed)
+    return (rng.integers(0, 25, (threads, nc), dtype=np.uint8), rng.integers(-127, 128, (threads, nq), dtype=np.int8))
+
+
+def reference(mode: int, iters: int, codes: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """The exact sums in int64 (no int32 wrap: keep iters small): per chain, its products summed."""
+    slot = 2 * SUPER * STEP[mode]
+    out = np.zeros(CHAINS, np.int64)
+    for i in range(iters):
+        s = i % SLOTS
+        cv = codes[s * slot:(s + 1) * slot].astype(np.int64)
+        for c in range(CHAINS):
+            qv = q[(s * CHAINS + c) * slot:(s * CHAINS + c + 1) * slot].astype(np.int64)
+            out[c] += int(cv @ qv)
+    return out
+
+
+def measure_peak(mode: int, threads: int, seconds: float = 0.2, repeats: int = 5):
+    """int8 products per second on `threads` threads (the median of `repeats`), as a hostinfo Measurement."""
+    from hostinfo.measure import measure
+    codes, q = buffers(mode, threads)
+    out = np.zeros((threads, CHAINS), np.int64)
+    run, iters = runner(mode), 1 << 16
+    run(iters, codes, q, out, threads)                            # compile
+    t0 = time.perf_counter()
+    run(iters, codes, q, out, threads)
+    iters = max(iters, int(iters * seconds / max(time.perf_counter() - t0, 1e-6)))
+    m = measure(lambda: run(iters, codes, q, out, threads), repeats=repeats, warmup=1)
+    macs = threads * iters * macs_per_iter(mode)
+    return m.map(lambda s: macs / s, "MAC/s")
