@@ -89,7 +89,7 @@ def stream_buffer_bytes(min_bytes: int = 1 << 30) -> tuple[int, str]:
 def dram_stream_read(threads: int, nbytes: int | None = None, repeats: int = 7) -> Measurement:
     """GB/s read by `threads`: every layout in LAYOUTS, `repeats` rounds (each round runs every layout
     once, so drift hits all alike), the best layout's samples; extra: the layout and every layout's
-    median. An explicit `nbytes` under 4x the LLC is refused (it would measure the cache)."""
+    median and samples. An explicit `nbytes` under 4x the LLC is refused (it would measure the cache)."""
     note = ""
     if nbytes is None:
         nbytes, note = stream_buffer_bytes()
@@ -108,7 +108,8 @@ def dram_stream_read(threads: int, nbytes: int | None = None, repeats: int = 7) 
     best = max(LAYOUTS, key=lambda S: np.median(gbs[S]))
     return Measurement(tuple(nbytes / t / 1e9 for t in samples[best]), "GB/s", note=note,
                        extra={"buffer_bytes": nbytes, "streams_per_thread": best,
-                              "layout_median_gbs": {str(S): round(float(np.median(v)), 2) for S, v in gbs.items()}})
+                              "layout_median_gbs": {str(S): round(float(np.median(v)), 2) for S, v in gbs.items()},
+                              "layout_samples_gbs": {str(S): [round(x, 3) for x in v] for S, v in gbs.items()}})
 
 
 @njit(parallel=True, nogil=True, cache=True)

@@ -15,7 +15,10 @@ from runtime.io_reader import BatchedReader
 def test_quick_profile_is_complete_and_valid(quick_profile, tiny_dir):
     p = load_profile(quick_profile)                     # validates against the schema
     m = p["measurements"]
-    assert m["dram_stream_read_gbs"]["source"] == "measured" and len(m["dram_stream_read_gbs"]["samples"]) >= 3
+    dram = m["dram_stream_read_gbs"]
+    assert dram["source"] == "measured" and len(dram["samples"]) >= 3
+    by = dram["extra"]["layout_samples_gbs"]            # every layout's raw samples kept; the figure is the best's
+    assert set(by) == {"1", "2", "4"} and sorted(dram["samples"]) == pytest.approx(by[str(dram["extra"]["streams_per_thread"])], abs=1e-3)
     geoms = {e["geometry"] for e in m["cpu_moe_gbs"]}
     assert {"64x64", "5120x2304", "4096x2048"} <= geoms  # served geometry + both full-size ones
     assert all(e["median"] > 0 for e in m["cpu_moe_gbs"])
