@@ -84,18 +84,24 @@ def cpu_flags() -> list[str]:
     return [f for f in ISA_FLAGS if f in flags]
 
 
+def native_isa() -> str:
+    """The widest SIMD path this CPU offers, whatever $DSV41_CPU_ISA says (see `isa`)."""
+    if arch() not in ("x86_64", "AMD64", "i686", "i386"):
+        return "scalar"
+    import llvmlite.binding as llvm
+    feats = llvm.get_host_cpu_features()
+    if feats.get("avx512f") and feats.get("avx512bw"):
+        return "avx512vnni" if feats.get("avx512vnni") else "avx512"
+    if feats.get("avx2") and feats.get("fma"):
+        return "avx2"
+    return "scalar"
+
+
 def isa() -> str:
     """The widest SIMD path the CPU kernels can take here: avx512vnni (AVX-512BW with VNNI's integer dot
     products) | avx512 | avx2 | scalar (any non-x86 host: scalar). DSV41_CPU_ISA narrows it; asking for
     a wider one than the CPU has is an error."""
-    real = "scalar"
-    if arch() in ("x86_64", "AMD64", "i686", "i386"):
-        import llvmlite.binding as llvm
-        feats = llvm.get_host_cpu_features()
-        if feats.get("avx512f") and feats.get("avx512bw"):
-            real = "avx512vnni" if feats.get("avx512vnni") else "avx512"
-        elif feats.get("avx2") and feats.get("fma"):
-            real = "avx2"
+    real = native_isa()
     forced = os.environ.get("DSV41_CPU_ISA")
     if not forced:
         return real

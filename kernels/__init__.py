@@ -4,7 +4,8 @@ change to an intrinsic in another file (kernels/fp4_simd.py, fp8_simd.py, fp4_i8
 leave callers running the old machine code. A forced SIMD path ($DSV41_CPU_ISA, hostinfo) gets a
 directory of its own: numba's key names the CPU, not the path the kernels were compiled for, so one
 directory must never hold two paths' code for one CPU (`ISA_CACHE`: True when a forced path has its
-own directory, so its code may be cached). $NUMBA_CACHE_DIR (the user's) wins; $DSV41_KERNEL_CACHE
+own directory, so its code may be cached). Forcing the CPU's own widest path compiles exactly the
+host's code, so it shares the host's directory. $NUMBA_CACHE_DIR (the user's) wins; $DSV41_KERNEL_CACHE
 moves the root (default ~/.cache/dsv41/numba); an unwritable root keeps numba's default (__pycache__)."""
 from __future__ import annotations
 
@@ -26,11 +27,14 @@ ISA_CACHE = False
 if not os.environ.get("NUMBA_CACHE_DIR"):
     try:
         _forced = os.environ.get("DSV41_CPU_ISA") or None
+        if _forced is not None:                  # forcing the CPU's own path compiles the host's code: share it
+            from hostinfo.machine import native_isa
+            _forced = None if _forced == native_isa() else _forced
         _dir = _salted_cache_dir(_forced)
         _dir.mkdir(parents=True, exist_ok=True)
         if os.access(_dir, os.W_OK):
             from numba.core import config as _numba_config
             _numba_config.CACHE_DIR = str(_dir)
-            ISA_CACHE = _forced is not None
+            ISA_CACHE = bool(os.environ.get("DSV41_CPU_ISA"))   # its own directory, or the host's
     except OSError:
         pass

@@ -5,6 +5,7 @@ holds it against the float model): the kernel accumulates in float32 over K <= 5
 the float64 reference is ~1e-6 relative; we allow 2e-5 (norm-wise) and 1e-4 (element-wise, of the
 output's scale). The dense prefill path rounds weights and inputs to bf16: 2e-2.
 """
+import json
 import os
 import subprocess
 import sys
@@ -201,3 +202,24 @@ def test_a_forced_simd_path_caches_its_code_in_a_directory_of_its_own(tmp_path, 
     monkeypatch.setenv("DSV41_KERNEL_CACHE", str(tmp_path))
     host, avx2, scalar = (kernels._salted_cache_dir(i) for i in (None, "avx2", "scalar"))
     assert len({host, avx2, scalar}) == 3 and avx2.name == host.name + "-avx2" and host.parent == tmp_path
+
+
+def test_forcing_the_cpus_own_path_shares_the_hosts_cache_and_a_narrower_one_does_not(tmp_path):
+    """The host's widest path forced compiles the host's code, so it reuses the host's directory (one
+    compile of every kernel fewer in the suite); a narrower path keeps its own; both are cached."""
+    from hostinfo.machine import native_isa
+    code = ("import kernels; from numba.core import config; import json; "
+            "print(json.dumps([config.CACHE_DIR, kernels.ISA_CACHE, kernels._salted_cache_dir(None).as_posix()]))")
+    def run(forced):
+        env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "DSV41_CPU_ISA")}
+        env.update(DSV41_KERNEL_CACHE=str(tmp_path), **({"DSV41_CPU_ISA": forced} if forced else {}))
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    host_dir, cached, host = run(None)
+    assert host_dir == host and not cached
+    same_dir, cached, _ = run(native_isa())
+    assert same_dir == host and cached
+    if native_isa() != "scalar":
+        own_dir, cached, _ = run("scalar")
+        assert own_dir == host + "-scalar" and cached
