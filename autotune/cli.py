@@ -139,7 +139,7 @@ def cmd_profile(args) -> int:
     from rich.table import Table
 
     from runtime.profile import save_profile
-    from autotune.profiler import run_profile, summary_rows
+    from autotune.profiler import probe_time_summary, run_profile, summary_rows
     out = args.out or f"profiles/local/{platform.node() or 'host'}.json"
     with Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), TimeElapsedColumn(),
                   console=console(stderr=True), transient=True) as bar:
@@ -162,6 +162,7 @@ def cmd_profile(args) -> int:
     c.print(nv)
     for e in prof["measurements"]["nvme_engram_pattern"]:
         c.print(f"Engram pattern, 48 rows/token: serial {e['serial_ms_per_token']:.2f} ms, batched at QD{e['qd']} {e['batched_ms_per_token']:.2f} ms")
+    c.print(probe_time_summary(prof))
     c.print(f"wrote {out}")
     return 0
 

@@ -278,9 +278,17 @@ def _nvme(ck: Checkpoint, quick: bool, served, cores: int, step) -> dict:
 
 
 def run_profile(checkpoint, quick: bool = False, progress=None) -> dict:
-    """-> a profile dict (schema dsv41-profile/1). progress(name) is called as each probe starts."""
+    """-> a profile dict (schema dsv41-profile/1). progress(name) is called as each probe starts;
+    `probe_seconds` records how long each took (wall clock, in the order run)."""
+    took: dict[str, float] = {}
+    clock = {"name": None, "t": time.perf_counter()}
+
     def step(name):
-        if progress:
+        now = time.perf_counter()
+        if clock["name"] is not None:
+            took[clock["name"]] = round(took.get(clock["name"], 0.0) + now - clock["t"], 2)
+        clock.update(name=name, t=now)
+        if progress and name is not None:
             progress(name)
     ck = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
     cfg = ck.config
@@ -314,8 +322,17 @@ def run_profile(checkpoint, quick: bool = False, progress=None) -> dict:
     m.update(_pcie(ck, quick, cores))
     step("NVMe")
     m.update(_nvme(ck, quick, served, cores, step))
+    step(None)
     return {"schema": SCHEMA, "host": host, "measurements": m, "plan": None, "predicted": None, "validation": None,
-            "checkpoint": str(ck.root), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "quick": quick}
+            "checkpoint": str(ck.root), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "quick": quick,
+            "probe_seconds": took}
+
+
+def probe_time_summary(profile: dict) -> str:
+    """'profiled in 43 s (longest: ...)': where a profile's time went, for the log."""
+    took = profile.get("probe_seconds") or {}
+    slow = sorted(took.items(), key=lambda kv: -kv[1])[:3]
+    return f"profiled in {sum(took.values()):.0f} s (longest: " + ", ".join(f"{k} {v:.1f} s" for k, v in slow) + ")"
 
 
 def _routing_row(r) -> str:

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 from autotune.costmodel import predict
 from hostinfo.fingerprint import compare, fingerprint
 from runtime.profile import ProfileError, load_profile, save_profile
-from autotune.profiler import run_profile
+from autotune.profiler import probe_time_summary, run_profile
 from autotune.search import open_storage, search
 from autotune.validate import calibration, dspark_acceptance, freetoken_baseline, measure_plans, noise_floor, pick, summarize
 from runtime.checkpoint.reader import Checkpoint
@@ -55,6 +55,7 @@ def tune(checkpoint, out, wl: Workload, allow_inexact=False, quick=False, storag
     if prof is None:
         log(f"profiling this host ({why})")
         prof = run_profile(ck, quick=quick, progress=lambda n: log(f"  probe: {n}"))
+        log(probe_time_summary(prof))
     else:
         log(f"reusing the fresh profile {out}")
     kept = (prof.pop("calibration", None) or {}).get("dspark_p_accept")   # the search ranks on the uncalibrated

@@ -15,6 +15,12 @@ from runtime.io_reader import BatchedReader
 def test_quick_profile_is_complete_and_valid(quick_profile, tiny_dir):
     p = load_profile(quick_profile)                     # validates against the schema
     m = p["measurements"]
+    took = p["probe_seconds"]                           # each probe's wall time, for the user's log
+    assert {"fingerprint", "DRAM stream read", "NVMe", "contended"} <= set(took) and all(v >= 0 for v in took.values())
+    assert took["DRAM stream read"] > 0 and None not in took
+    from autotune.profiler import probe_time_summary
+    line = probe_time_summary(p)                        # printed by dsv41-tune and dsv41-tune profile
+    assert line.startswith(f"profiled in {sum(took.values()):.0f} s") and max(took, key=took.get) in line
     dram = m["dram_stream_read_gbs"]
     assert dram["source"] == "measured" and len(dram["samples"]) >= 3
     by = dram["extra"]["layout_samples_gbs"]            # every layout's raw samples kept; the figure is the best's
