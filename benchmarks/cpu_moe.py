@@ -11,6 +11,9 @@ distinct expert bytes), as a DSpark verify whose tokens' experts overlap (top-6 
 as a continuous batch of independent tokens (top-6 of the whole bank), the naive baseline (torch: dequantize to
 float, then matmul) and prefill widths (tokens per expert) for the GEMV kernel and the dense path
 (dequantize a tile + torch bf16 matmul), in GB/s and GFLOP/s (2 * 3 * H * I * tokens per expert).
+Each width is also held against the products' roof: the host's int8 dot-product peak at the kernel's
+instruction mix, measured in the run (kernels/int8_peak.py), times the step's distinct expert bytes
+per product (3 * H * I per assignment): a wide call cannot read faster than min(stream, that roof).
 kernel GB/s = expert bytes moved / time. With --json the last line is one JSON object.
 """
 from __future__ import annotations
@@ -132,9 +135,9 @@ def main(argv=None):
             numba.set_num_threads(t)
             s_med = float(np.median(stream[t]))
             peak = measure_peak(MODE, t) if MODE else None     # the products' roof of wide calls (kernels/int8_peak.py)
-            if peak:
-                print(f"int8 products at the kernel's mix, {t} threads: {peak.median / 1e9:.0f} GMAC/s "
-                      f"(spread {peak.min / 1e9:.0f}-{peak.max / 1e9:.0f})", flush=True)
+            print(f"int8 products at the kernel's mix, {t} threads: {peak.median / 1e9:.0f} GMAC/s "
+                  f"(spread {peak.min / 1e9:.0f}-{peak.max / 1e9:.0f})" if peak else
+                  "the scalar path has no int8 SIMD products: widths are shown against the stream only", flush=True)
             for W in (2, 4, 6, 8):                            # DSpark verify / continuous batching widths
                 for pool, what in ((10, "verify: experts from a pool of 10"), (bank.n_experts, "batch: independent tokens")):
                     ver = decode_step(bank, T=W, pool=pool, streams=layouts[(name, t)])

@@ -2,7 +2,7 @@
 
 A verify block or a continuous batch of W tokens meets each expert's bytes once but does W inputs' int8
 products on them, so past some width the kernel (kernels/fp4_i8.py) is bound by its products, not by
-DRAM. This measures that limit on the same instruction path (`MODE`): per iteration, 8 code vectors
+DRAM. This measures that limit on the same instruction path (`MODE` in kernels/cpu_moe.py): per iteration, 8 code vectors
 loaded once (the kernel decodes them once per row) and, for each of `CHAINS` inputs, 8 input vectors
 loaded and 8 products summed into that input's accumulator (`_Step.dot`: `vpdpbusd` with VNNI,
 `vpmaddubsw` + `vpmaddwd` without). Everything sits in L1, so the figure is the products' rate with no
@@ -24,8 +24,10 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from hostinfo.measure import Measurement, measure
 from kernels.fp4_i8 import STEP, SUPER, _Step
 from kernels.fp4_simd import _data_ptrs, _literal
+from kernels.threads import set_threads
 
 CHAINS = 6                          # independent accumulators (inputs): enough to cover the products' latency
 SLOTS = 4                           # iteration i reads slot i % SLOTS of each buffer (no loop-invariant loads)
@@ -112,9 +114,10 @@ def reference(mode: int, iters: int, codes: np.ndarray, q: np.ndarray) -> np.nda
     return out
 
 
-def measure_peak(mode: int, threads: int, seconds: float = 0.2, repeats: int = 5):
-    """int8 products per second on `threads` threads (the median of `repeats`), as a hostinfo Measurement."""
-    from hostinfo.measure import measure
+def measure_peak(mode: int, threads: int, seconds: float = 0.2, repeats: int = 5) -> Measurement:
+    """int8 products per second on `threads` threads (numba's pool set to that), `repeats` samples of
+    ~`seconds` each after a warm-up."""
+    set_threads(threads)
     codes, q = buffers(mode, threads)
     out = np.zeros((threads, CHAINS), np.int64)
     run, iters = runner(mode), 1 << 16
