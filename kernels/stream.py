@@ -86,17 +86,36 @@ def stream_buffer_bytes(min_bytes: int = 1 << 30) -> tuple[int, str]:
                f"total last-level cache ({llc / 2**20:.0f} MiB), so part of the figure is cache")
 
 
-def dram_stream_read(threads: int, nbytes: int | None = None, repeats: int = 7) -> Measurement:
-    """GB/s read by `threads`: every layout in LAYOUTS, `repeats` rounds (each round runs every layout
-    once, so drift hits all alike), the best layout's samples; extra: the layout and every layout's
-    median and samples. An explicit `nbytes` under 4x the LLC is refused (it would measure the cache)."""
+def stream_buffer(nbytes: int | None = None) -> tuple[np.ndarray, str]:
+    """-> (float32 buffer of ones, note): `stream_buffer_bytes()` unless `nbytes` is given. The stream and
+    copy probes can share it: on a VM the first touch of fresh memory can cost seconds per GiB."""
     note = ""
     if nbytes is None:
         nbytes, note = stream_buffer_bytes()
-    elif nbytes < 4 * llc_bytes():
+    return np.ones(nbytes // 4, np.float32), note
+
+
+def _sized(nbytes, buf, note) -> tuple[int, str, bool]:
+    """-> (bytes, note, asked): a given buffer's size and note, an asked-for size, or the default."""
+    if buf is not None:
+        return buf.nbytes, note, not note
+    if nbytes is None:
+        return (*stream_buffer_bytes(), False)
+    return nbytes, "", True
+
+
+def dram_stream_read(threads: int, nbytes: int | None = None, repeats: int = 7, buf: np.ndarray | None = None,
+                     note: str = "") -> Measurement:
+    """GB/s read by `threads`: every layout in LAYOUTS, `repeats` rounds (each round runs every layout
+    once, so drift hits all alike), the best layout's samples; extra: the layout and every layout's
+    median and samples. Over `buf` and its `note` (a `stream_buffer`) when given, else a fresh buffer.
+    An asked-for size under 4x the LLC is refused (it would measure the cache); the default size and a
+    stream_buffer's carry a note instead."""
+    nbytes, note, asked = _sized(nbytes, buf, note)
+    if asked and nbytes < 4 * llc_bytes():
         raise BufferTooSmall(f"a {nbytes / 2**20:.0f} MiB buffer is under 4x the last-level cache "
                              f"({llc_bytes() / 2**20:.0f} MiB): the probe would measure the cache, not DRAM")
-    a = np.ones(nbytes // 4, np.float32)
+    a = np.ones(nbytes // 4, np.float32) if buf is None else buf
     set_threads(threads)
     samples = {S: [] for S in LAYOUTS}
     for S in LAYOUTS:                                          # compile and warm every layout
@@ -119,16 +138,19 @@ def _copy(dst, src, nthreads):
         dst[b * n:(b + 1) * n] = src[b * n:(b + 1) * n]
 
 
-def dram_copy(threads: int, nbytes: int | None = None, repeats: int = 5) -> Measurement:
-    """memcpy-style copy (source + destination = the stream buffer); GB/s counts bytes copied (read +
-    write = 2x that). An explicit buffer under 2x the LLC per side is refused."""
-    note = ""
-    if nbytes is None:
-        nbytes, note = stream_buffer_bytes()
-    elif nbytes // 2 < 2 * llc_bytes():
+def dram_copy(threads: int, nbytes: int | None = None, repeats: int = 5, buf: np.ndarray | None = None,
+              note: str = "") -> Measurement:
+    """memcpy-style copy (source + destination = the stream buffer: `buf`'s two halves when given);
+    GB/s counts bytes copied (read + write = 2x that). An asked-for size under 2x the LLC per side is
+    refused."""
+    nbytes, note, asked = _sized(nbytes, buf, note)
+    if asked and nbytes // 2 < 2 * llc_bytes():
         raise BufferTooSmall(f"a {nbytes / 2**21:.0f} MiB copy is too small against the {llc_bytes() / 2**20:.0f} MiB last-level cache")
     nbytes //= 2
-    src, dst = np.ones(nbytes // 4, np.float32), np.zeros(nbytes // 4, np.float32)
+    if buf is None:
+        src, dst = np.ones(nbytes // 4, np.float32), np.zeros(nbytes // 4, np.float32)
+    else:
+        src, dst = buf[:nbytes // 4], buf[nbytes // 4:2 * (nbytes // 4)]
     set_threads(threads)
     m = measure(lambda: _copy(dst, src, threads), repeats=repeats, warmup=1)
     return Measurement(m.map(lambda s: nbytes / s / 1e9, "GB/s").samples, "GB/s", note=note, extra={"buffer_bytes": 2 * nbytes})

@@ -35,3 +35,23 @@ def test_measure_times_the_call_and_not_its_setup():
 def test_dram_probe_refuses_a_buffer_under_4x_llc():
     with pytest.raises(BufferTooSmall, match="4x the last-level cache"):
         dram_stream_read(1, nbytes=llc_bytes())
+
+
+def test_stream_and_copy_share_one_buffer_and_keep_its_note(monkeypatch):
+    """The profiler touches one buffer for both probes; a budget-capped buffer's note travels with it, an
+    unexplained small one is refused as an asked-for size is."""
+    from kernels.stream import dram_copy, stream_buffer
+    monkeypatch.setenv("DSV41_LLC_MIB", "1")
+    buf, note = stream_buffer(16 << 20)                  # asked for: 16 MiB, 4x the 4 MiB floor of a 1 MiB LLC
+    assert buf.nbytes == 16 << 20 and note == "" and (buf == 1).all()
+    r = dram_stream_read(1, repeats=1, buf=buf)
+    c = dram_copy(1, repeats=1, buf=buf)
+    assert r.extra["buffer_bytes"] == c.extra["buffer_bytes"] == 16 << 20 and r.median > 0 and c.median > 0
+    assert (buf[: buf.size // 2] == 1).all()             # the copy read the first half into the second
+    small = np.ones((2 << 20) // 4, np.float32)
+    with pytest.raises(BufferTooSmall):
+        dram_stream_read(1, repeats=1, buf=small)
+    with pytest.raises(BufferTooSmall):
+        dram_copy(1, repeats=1, buf=small)
+    m = dram_stream_read(1, repeats=1, buf=small, note="capped by the probe memory budget")
+    assert m.note == "capped by the probe memory budget"
