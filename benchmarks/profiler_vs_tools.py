@@ -10,10 +10,11 @@ is of medians, to the best engine. DRAM: the
 profiler's stream probe against a compiled C/OpenMP read reduction over the same buffer size
 (benchmarks/ref/stream_read.c, built here with gcc) and likwid-bench's load kernels (every width it
 has, on the same thread count and size) where installed, all interleaved over `--rounds` rounds.
-One rule on every side: each variant's samples pooled over the rounds (the probe's and the C
-reference's 1, 2 and 4 sub-streams per thread, likwid's kernels), the variant with the best median
-compared (a best-of per sample would lift the noisier side); the ratio is the median of the rounds'
-ratios (each round's probe median over the reference's median in that round), with their spread.
+One rule on every side: each variant's samples pooled over the rounds (the probe's sub-streams per
+thread x load widths, the C reference's 1, 2 and 4 sub-streams per thread, likwid's kernels), the
+variant with the best median compared (a best-of per sample would lift the noisier side); the ratio
+is the median of the rounds' ratios (each round's probe median over the reference's median in that
+round), with their spread.
 Goals (issue "speed on every ISA"): NVMe >= 0.90 of the better fio engine at every depth, DRAM within
 10% of both references. fio and likwid come from Debian (`apt-get install fio likwid`).
 """
@@ -113,7 +114,8 @@ def dram_vs_tools(threads, rounds):
         print(f"  {name} medians by sub-streams per thread: " + ", ".join(f"{k}: {med(pooled(v)):.1f}" for k, v in by.items()))
     spread = lambda r: f"per-round ratios {r['min']:.2f}-{r['max']:.2f}"  # noqa: E731
     print(f"DRAM stream read, {threads} threads, {nbytes / 2**30:.1f} GiB, {rounds} rounds: probe {dram['probe_median']:.2f} GB/s "
-          f"({p_layout} stream(s)/thread); C/OpenMP {dram['c_reference_median']:.2f} ({c_layout} stream(s)/thread): "
+          f"({p_layout}: sub-streams per thread x load width); C/OpenMP {dram['c_reference_median']:.2f} ({c_layout} "
+          f"sub-stream(s) per thread): "
           f"ratio {r_c['median']:.2f} ({spread(r_c)})" + (f"; likwid-bench {dram['likwid_median']:.2f} ({lk_kernel}): ratio "
           f"{r_lk['median']:.2f} ({spread(r_lk)}; medians by kernel: " + ", ".join(f"{k} {med(pooled(v)):.1f}" for k, v in lk_by.items())
           + ")" if r_lk else ""))

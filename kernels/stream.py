@@ -1,16 +1,17 @@
 """DRAM stream read: the figure every CPU-side ratio is held against.
 
 A numba parallel reduction over a float32 buffer of at least 4x the total last-level cache (every
-domain) and 1 GiB (a VM may take ~10 s per GiB the first time a process touches fresh memory), within the probe memory budget (hostinfo), one contiguous share per thread, read
-with explicit 64-byte vector loads (LLVM's auto-vectorizer picked 256-bit ones, ~20% less from DRAM on
-one Xeon). The buffer is touched first (no page faults in the timed runs); numpy asks the kernel for
-transparent huge pages on it (madvise) where the OS offers them.
+domain) and 1 GiB (a VM may take ~10 s per GiB the first time a process touches fresh memory), within
+the probe memory budget (hostinfo), one contiguous share per thread, read with explicit vector loads.
+The buffer is touched first (no page faults in the timed runs); numpy asks the kernel for transparent
+huge pages on it (madvise) where the OS offers them.
 
 Which access pattern reads fastest differs by CPU: four interleaved streams per thread beat one by
-1.6x on an Emerald Rapids VM, one stream per thread beats four by 1.5x on a Zen 4 (EPYC) VM (both
-measured, kernels/lab/README.md). So every pattern in LAYOUTS is measured, interleaved round by round,
-and the figure is the best pattern's samples (the others are kept in `extra`). GB/s = buffer bytes /
-time.
+1.6x on an Emerald Rapids VM, one stream per thread beats four by 1.5x on a Zen 4 (EPYC) VM; 64-byte
+loads beat 32-byte ones by ~20% on a Xeon, 32-byte ones beat 64 by 5-7% on the Zen 4 VM (all measured,
+kernels/lab/README.md). So every variant (`variants`: sub-streams per thread x load width) is
+measured, interleaved round by round, and the figure is the best variant's samples (every variant's
+are kept in `extra`). GB/s = buffer bytes / time.
 """
 from __future__ import annotations
 
@@ -20,38 +21,42 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from hostinfo import llc_bytes, probe_budget_bytes
+from hostinfo import isa, llc_bytes, probe_budget_bytes
 from hostinfo.measure import Measurement, measure
 from kernels.threads import set_threads
 
 LAYOUTS = (1, 2, 4)          # interleaved sub-streams per thread
+LOAD_BYTES = (64, 32)        # vector load widths tried (64 where the CPU has AVX-512; see `variants`)
+
 
 class BufferTooSmall(ValueError):
     pass
 
 
 @intrinsic
-def _vsum(typingctx, a, base, q, S_t):
-    """Sum a[base : base + S q] as S interleaved streams of 64-byte loads (<16 x float>), one vector
-    accumulator per stream. q must be a multiple of 16; S a literal."""
+def _vsum(typingctx, a, base, q, S_t, L_t):
+    """Sum a[base : base + S q] as S interleaved streams of L-float vector loads (<L x float>: 64 bytes
+    for L = 16, 32 for L = 8), one vector accumulator per stream. q must be a multiple of 16; S and L
+    literals."""
     S = S_t.literal_value if isinstance(S_t, types.IntegerLiteral) else None
-    if S is None:
+    L = L_t.literal_value if isinstance(L_t, types.IntegerLiteral) else None
+    if S is None or L is None:
         return None
-    sig = types.float32(a, base, q, S_t)
+    sig = types.float32(a, base, q, S_t, L_t)
 
     def codegen(context, builder, signature, args):
-        arr, base_v, q_v, _ = args
+        arr, base_v, q_v, _, _ = args
         f32 = ir.FloatType()
-        vf = ir.VectorType(f32, 16)
+        vf = ir.VectorType(f32, L)
         data = context.make_array(signature.args[0])(context, builder, arr).data
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * 16)) for _ in range(S)]
-        with cgutils.for_range(builder, builder.udiv(q_v, ir.Constant(q_v.type, 16))) as loop:
-            i16 = builder.mul(loop.index, ir.Constant(q_v.type, 16))
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * L)) for _ in range(S)]
+        with cgutils.for_range(builder, builder.udiv(q_v, ir.Constant(q_v.type, L))) as loop:
+            iL = builder.mul(loop.index, ir.Constant(q_v.type, L))
             for k in range(S):
-                off = builder.add(builder.add(base_v, builder.mul(q_v, ir.Constant(q_v.type, k))), i16)
+                off = builder.add(builder.add(base_v, builder.mul(q_v, ir.Constant(q_v.type, k))), iL)
                 v = builder.load(builder.bitcast(builder.gep(data, [off]), vf.as_pointer()), align=4)
                 builder.store(builder.fadd(builder.load(accs[k]), v), accs[k])
-        red = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, vf]), "llvm.vector.reduce.fadd.v16f32")
+        red = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, vf]), f"llvm.vector.reduce.fadd.v{L}f32")
         tot = ir.Constant(f32, 0.0)
         for k in range(S):
             tot = builder.fadd(tot, builder.call(red, [ir.Constant(f32, 0.0), builder.load(accs[k])]))
@@ -60,19 +65,41 @@ def _vsum(typingctx, a, base, q, S_t):
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _sum_streams(a, nthreads, streams):
-    """Each thread sums its contiguous share as `streams` (1, 2 or 4) interleaved sub-streams."""
+def _sum_streams(a, nthreads, streams, load_bytes=64):
+    """Each thread sums its contiguous share as `streams` (1, 2 or 4) interleaved sub-streams of
+    `load_bytes` (64 or 32) vector loads."""
     n = a.shape[0] // nthreads
     q = n // streams // 16 * 16
     part = np.zeros(nthreads, np.float32)
     for b in prange(nthreads):
-        if streams == 1:
-            part[b] = _vsum(a, b * n, q, 1)
-        elif streams == 2:
-            part[b] = _vsum(a, b * n, q, 2)
+        if load_bytes == 64:
+            if streams == 1:
+                part[b] = _vsum(a, b * n, q, 1, 16)
+            elif streams == 2:
+                part[b] = _vsum(a, b * n, q, 2, 16)
+            else:
+                part[b] = _vsum(a, b * n, q, 4, 16)
         else:
-            part[b] = _vsum(a, b * n, q, 4)
+            if streams == 1:
+                part[b] = _vsum(a, b * n, q, 1, 8)
+            elif streams == 2:
+                part[b] = _vsum(a, b * n, q, 2, 8)
+            else:
+                part[b] = _vsum(a, b * n, q, 4, 8)
     return part.sum()
+
+
+def variants() -> list[tuple[int, int]]:
+    """(sub-streams per thread, load bytes) the probe measures: 64-byte loads only where the CPU has
+    AVX-512 (elsewhere LLVM splits them into the 32-byte ones measured anyway). Which reads DRAM fastest
+    is the CPU's: 64-byte loads beat LLVM's 32-byte ones by ~20% on a Xeon, 32-byte ones beat 64 by
+    5-7% on a Zen 4 VM (which splits 512-bit ops in two; kernels/lab/README.md)."""
+    widths = LOAD_BYTES if isa() in ("avx512", "avx512vnni") else (32,)
+    return [(S, w) for w in widths for S in LAYOUTS]
+
+
+def variant_name(v: tuple[int, int]) -> str:
+    return f"{v[0]}x{v[1]}B"
 
 
 def stream_buffer_bytes(min_bytes: int = 1 << 30) -> tuple[int, str]:
@@ -117,18 +144,20 @@ def dram_stream_read(threads: int, nbytes: int | None = None, repeats: int = 7, 
                              f"({llc_bytes() / 2**20:.0f} MiB): the probe would measure the cache, not DRAM")
     a = np.ones(nbytes // 4, np.float32) if buf is None else buf
     set_threads(threads)
-    samples = {S: [] for S in LAYOUTS}
-    for S in LAYOUTS:                                          # compile and warm every layout
-        _sum_streams(a, threads, S)
+    vs = variants()
+    samples = {v: [] for v in vs}
+    for v in vs:                                               # compile and warm every variant
+        _sum_streams(a, threads, *v)
     for _ in range(repeats):
-        for S in LAYOUTS:
-            samples[S] += measure(lambda S=S: _sum_streams(a, threads, S), repeats=1, warmup=0).samples
-    gbs = {S: sorted(nbytes / t / 1e9 for t in v) for S, v in samples.items()}
-    best = max(LAYOUTS, key=lambda S: np.median(gbs[S]))
+        for v in vs:
+            samples[v] += measure(lambda v=v: _sum_streams(a, threads, *v), repeats=1, warmup=0).samples
+    gbs = {v: sorted(nbytes / t / 1e9 for t in ts) for v, ts in samples.items()}
+    best = max(vs, key=lambda v: np.median(gbs[v]))
     return Measurement(tuple(nbytes / t / 1e9 for t in samples[best]), "GB/s", note=note,
-                       extra={"buffer_bytes": nbytes, "streams_per_thread": best,
-                              "layout_median_gbs": {str(S): round(float(np.median(v)), 2) for S, v in gbs.items()},
-                              "layout_samples_gbs": {str(S): [round(x, 3) for x in v] for S, v in gbs.items()}})
+                       extra={"buffer_bytes": nbytes, "streams_per_thread": best[0], "load_bytes": best[1],
+                              "layout": variant_name(best),
+                              "layout_median_gbs": {variant_name(v): round(float(np.median(x)), 2) for v, x in gbs.items()},
+                              "layout_samples_gbs": {variant_name(v): [round(y, 3) for y in x] for v, x in gbs.items()}})
 
 
 @njit(parallel=True, nogil=True, cache=True)

@@ -55,3 +55,18 @@ def test_stream_and_copy_share_one_buffer_and_keep_its_note(monkeypatch):
         dram_copy(1, repeats=1, buf=small)
     m = dram_stream_read(1, repeats=1, buf=small, note="capped by the probe memory budget")
     assert m.note == "capped by the probe memory budget"
+
+
+def test_every_stream_variant_reads_every_element_once():
+    """The probe's sum over a buffer of ones is its element count, exactly (small enough for float32),
+    in every variant it measures and in both load widths, with 1 and 2 threads."""
+    from kernels.stream import LAYOUTS, _sum_streams
+    n = 2 * 4 * 16 * 64                                   # threads x sub-streams x lanes x steps: no remainder
+    a = np.ones(n, np.float32)
+    for threads in (1, 2):
+        for S in LAYOUTS:
+            for width in (64, 32):
+                assert _sum_streams(a, threads, S, width) == n, (threads, S, width)
+    b = np.zeros(n, np.float32)
+    b[::97] = 1.0                                         # not a sum any layout could get by reading one part twice
+    assert _sum_streams(b, 2, 4, 32) == b.sum()

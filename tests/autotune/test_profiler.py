@@ -23,8 +23,11 @@ def test_quick_profile_is_complete_and_valid(quick_profile, tiny_dir):
     assert line.startswith(f"profiled in {sum(took.values()):.0f} s") and max(took, key=took.get) in line
     dram = m["dram_stream_read_gbs"]
     assert dram["source"] == "measured" and len(dram["samples"]) >= 3
-    by = dram["extra"]["layout_samples_gbs"]            # every layout's raw samples kept; the figure is the best's
-    assert set(by) == {"1", "2", "4"} and sorted(dram["samples"]) == pytest.approx(by[str(dram["extra"]["streams_per_thread"])], abs=1e-3)
+    by = dram["extra"]["layout_samples_gbs"]            # every variant's raw samples kept; the figure is the best's
+    from kernels.stream import variant_name, variants
+    assert set(by) == {variant_name(v) for v in variants()} and {"1x32B", "2x32B", "4x32B"} <= set(by)
+    assert sorted(dram["samples"]) == pytest.approx(by[dram["extra"]["layout"]], abs=1e-3)
+    assert dram["extra"]["layout"] == variant_name((dram["extra"]["streams_per_thread"], dram["extra"]["load_bytes"]))
     geoms = {e["geometry"] for e in m["cpu_moe_gbs"]}
     assert {"64x64", "5120x2304", "4096x2048"} <= geoms  # served geometry + both full-size ones
     assert all(e["median"] > 0 for e in m["cpu_moe_gbs"])
