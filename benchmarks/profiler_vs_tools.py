@@ -111,7 +111,8 @@ def dram_vs_tools(threads, rounds):
             "ratio_c_reference": r_c and r_c["median"], "ratio_likwid": r_lk and r_lk["median"],
             "ratio_c_reference_rounds": r_c, "ratio_likwid_rounds": r_lk}
     for name, by in (("probe", probe_by), ("C/OpenMP", cref_by)):
-        print(f"  {name} medians by sub-streams per thread: " + ", ".join(f"{k}: {med(pooled(v)):.1f}" for k, v in by.items()))
+        print(f"  {name} medians by variant (sub-streams per thread[ x load width]): "
+              + ", ".join(f"{k}: {med(pooled(v)):.1f}" for k, v in by.items()))
     spread = lambda r: f"per-round ratios {r['min']:.2f}-{r['max']:.2f}"  # noqa: E731
     print(f"DRAM stream read, {threads} threads, {nbytes / 2**30:.1f} GiB, {rounds} rounds: probe {dram['probe_median']:.2f} GB/s "
           f"({p_layout}: sub-streams per thread x load width); C/OpenMP {dram['c_reference_median']:.2f} ({c_layout} "
