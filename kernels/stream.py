@@ -133,9 +133,9 @@ def _sized(nbytes, buf, note) -> tuple[int, str, bool]:
 
 def dram_stream_read(threads: int, nbytes: int | None = None, repeats: int = 7, buf: np.ndarray | None = None,
                      note: str = "") -> Measurement:
-    """GB/s read by `threads`: every layout in LAYOUTS, `repeats` rounds (each round runs every layout
-    once, so drift hits all alike), the best layout's samples; extra: the layout and every layout's
-    median and samples. Over `buf` and its `note` (a `stream_buffer`) when given, else a fresh buffer.
+    """GB/s read by `threads`: every variant (`variants`), `repeats` rounds (each round runs every variant
+    once, so drift hits all alike), the best variant's samples; extra: the variant (`layout`, with its
+    sub-streams and load width) and every variant's median and samples. Over `buf` and its `note` (a `stream_buffer`) when given, else a fresh buffer.
     An asked-for size under 4x the LLC is refused (it would measure the cache); the default size and a
     stream_buffer's carry a note instead."""
     nbytes, note, asked = _sized(nbytes, buf, note)
