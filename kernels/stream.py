@@ -19,7 +19,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from hostinfo import isa, llc_bytes, probe_budget_bytes
 from hostinfo.measure import Measurement, measure
@@ -64,6 +64,26 @@ def _vsum(typingctx, a, base, q, S_t, L_t):
     return sig, codegen
 
 
+def _share(a, base, q, streams, L):
+    """One thread's share as `streams` sub-streams of <L x float> loads (L a literal)."""
+    raise NotImplementedError("numba-only")
+
+
+@overload(_share, prefer_literal=True, inline="always")
+def _ov_share(a, base, q, streams, L):
+    if not isinstance(L, types.IntegerLiteral):
+        return None
+    lanes = L.literal_value
+
+    def share(a, base, q, streams, L):
+        if streams == 1:
+            return _vsum(a, base, q, 1, lanes)
+        if streams == 2:
+            return _vsum(a, base, q, 2, lanes)
+        return _vsum(a, base, q, 4, lanes)
+    return share
+
+
 @njit(parallel=True, nogil=True, cache=True)
 def _sum_streams(a, nthreads, streams, load_bytes=64):
     """Each thread sums its contiguous share as `streams` (1, 2 or 4) interleaved sub-streams of
@@ -72,20 +92,7 @@ def _sum_streams(a, nthreads, streams, load_bytes=64):
     q = n // streams // 16 * 16
     part = np.zeros(nthreads, np.float32)
     for b in prange(nthreads):
-        if load_bytes == 64:
-            if streams == 1:
-                part[b] = _vsum(a, b * n, q, 1, 16)
-            elif streams == 2:
-                part[b] = _vsum(a, b * n, q, 2, 16)
-            else:
-                part[b] = _vsum(a, b * n, q, 4, 16)
-        else:
-            if streams == 1:
-                part[b] = _vsum(a, b * n, q, 1, 8)
-            elif streams == 2:
-                part[b] = _vsum(a, b * n, q, 2, 8)
-            else:
-                part[b] = _vsum(a, b * n, q, 4, 8)
+        part[b] = _share(a, b * n, q, streams, 16) if load_bytes == 64 else _share(a, b * n, q, streams, 8)
     return part.sum()
 
 
