@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 
 from hostinfo import usable_cores  # noqa: E402
 from autotune.probes import nvme  # noqa: E402
-from kernels.stream import dram_stream_read, stream_buffer_bytes  # noqa: E402
+from kernels.stream import dram_stream_read, stream_buffer  # noqa: E402
 
 
 def fio(path, engine, depth, seconds):
@@ -60,7 +60,10 @@ def likwid(threads, nbytes):
 
 def dram_vs_tools(threads, rounds):
     """Probe, C reference and likwid-bench in turn, `rounds` times; medians and ratios."""
-    nbytes, _ = stream_buffer_bytes()
+    buf, note = stream_buffer()                        # the profiler's buffer (a budget-capped one keeps its note)
+    nbytes = buf.nbytes
+    if note:
+        print(f"note: {note}")
     with tempfile.TemporaryDirectory() as tmp:
         exe = Path(tmp) / "stream_read"
         src = Path(__file__).parent / "ref" / "stream_read.c"
@@ -74,7 +77,7 @@ def dram_vs_tools(threads, rounds):
             print("likwid-bench is not installed (apt-get install likwid): compared with the C reference only")
         probe_by, cref_by, lk_by = {}, {}, {}         # variant -> one list of samples per round
         for _ in range(rounds):
-            m = dram_stream_read(threads, nbytes, repeats=2)
+            m = dram_stream_read(threads, repeats=2, buf=buf, note=note)
             for layout, v in m.extra["layout_samples_gbs"].items():
                 probe_by.setdefault(layout, []).append(v)
             out = subprocess.run([str(exe), str(nbytes), "2"], capture_output=True, text=True, env=env, check=True).stdout

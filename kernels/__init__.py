@@ -3,9 +3,9 @@ named by a hash of every kernel source here: numba keys a cached function only b
 change to an intrinsic in another file (kernels/fp4_simd.py, fp8_simd.py, fp4_i8.py) would otherwise
 leave callers running the old machine code. A forced SIMD path ($DSV41_CPU_ISA, hostinfo) gets a
 directory of its own: numba's key names the CPU, not the path the kernels were compiled for, so one
-directory must never hold two paths' code for one CPU (`ISA_CACHE`: True when a forced path has its
-own directory, so its code may be cached). Forcing the CPU's own widest path compiles exactly the
-host's code, so it shares the host's directory. $NUMBA_CACHE_DIR (the user's) wins; $DSV41_KERNEL_CACHE
+directory must never hold two paths' code for one CPU. Forcing the CPU's own widest path compiles
+exactly the host's code, so it shares the host's directory (`ISA_CACHE`: True when a forced path has a
+directory it may cache in, its own or the host's). $NUMBA_CACHE_DIR (the user's) wins; $DSV41_KERNEL_CACHE
 moves the root (default ~/.cache/dsv41/numba); an unwritable root keeps numba's default (__pycache__)."""
 from __future__ import annotations
 
