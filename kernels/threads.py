@@ -1,7 +1,10 @@
-"""numba's thread pool, set in one place for every kernel."""
+"""The thread pools (numba's and torch's), set in one place for every kernel."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numba
+import torch
 
 from hostinfo import numba_threading_layer
 
@@ -16,6 +19,22 @@ def set_threads(threads: int | None) -> bool:
                          f"(NUMBA_NUM_THREADS); clamp with hostinfo.clamp_threads")
     numba.set_num_threads(threads)
     return True
+
+
+@contextmanager
+def torch_threads(threads: int):
+    """torch's intra-op thread count inside the block, the caller's restored after it (a set costs
+    ~0.2 us). torch and numba each bring an OpenMP pool (two libgomp copies when torch is imported
+    first); after a torch op its idle workers spin for a while on the cores numba's next kernel wants
+    (runtime/model/transformer.py ONE_POOL_TOKENS)."""
+    before = torch.get_num_threads()
+    if threads > 0 and threads != before:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def concurrent_ok() -> bool:

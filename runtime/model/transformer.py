@@ -31,8 +31,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from hostinfo import usable_cores
 from kernels import norms, router
 from kernels.arrays import numba_ok
+from kernels.threads import torch_threads
 from kernels.engram_hash import engram_rows, slot_ranges, slot_seeds
 from runtime.config import ModelConfig
 from runtime.model.attention import attend, attend_decode, select
@@ -86,6 +88,17 @@ class Seg:
     T: int
 
 
+# A forward of at most this many tokens (decode steps, verify blocks, decode batches) runs torch's CPU
+# ops on one thread: they are small ([T, H] rows, mostly under torch's parallel grain), and an idle torch
+# worker spins on the cores the CPU-MoE kernel's pool wants next (kernels/threads.py): one pool at a
+# time. Mini, Zen 4 VM (2 cores): with the whole process's torch on 1 thread, the routed calls inside
+# the engine ran at 0.93-1.02 of their own replay's speed, against 0.80-0.96 on 2 threads (4
+# interleaved pairs); this switch alone (decode forwards only), 10 ABBA pairs: decode 15.7 against
+# 15.0 tok/s median, within the VM's spread (9-18). Wider forwards (prompt chunks) run torch on every
+# usable core (hostinfo.usable_cores); the caller's count is restored after each forward.
+ONE_POOL_TOKENS = 32
+
+
 @dataclass
 class Phases:
     seconds: dict = field(default_factory=lambda: defaultdict(float))
@@ -101,6 +114,7 @@ class Model:
         self.dtype, self.device = dtype, device
         self.cmap = cmap
         self.phases = Phases()
+        self.torch_threads = usable_cores()        # torch's pool for wide forwards (ONE_POOL_TOKENS)
         self._global_layers = any(cfg.layer_mode(i) != "window" for i in range(cfg.num_hidden_layers))
         if cfg.engram_layer_ids:
             S = cfg.engram_slots
@@ -127,6 +141,11 @@ class Model:
         experts once), attention over each sequence's own state (one-query segments together:
         attention.attend_decode). One sequence is the plain
         forward (decoder_start, bounded replay, only then). -> logits [T_s', V] per sequence."""
+        n = sum(len(t) for t in token_lists)
+        with torch_threads(1 if n <= ONE_POOL_TOKENS else self.torch_threads):
+            return self._forward_many(states, token_lists, decoder_start)
+
+    def _forward_many(self, states: list[SeqState], token_lists: list[list[int]], decoder_start: int = 0) -> list:
         c = self.cfg
         if decoder_start and len(states) > 1:
             raise ValueError("decoder_start (bounded replay) runs one sequence at a time")

@@ -112,3 +112,26 @@ def test_the_decoder_sources_are_timed_as_dense(ck, monkeypatch):
     finally:
         e.close()
     assert r.phases["dense"] >= 3 * 0.02 and r.phases["outside_phases"] < 3 * 0.02   # 3 decode forwards
+
+
+def test_small_forwards_run_torch_on_one_thread_and_wide_ones_on_the_usable_cores(ck, monkeypatch):
+    """ONE_POOL_TOKENS: a decode step's torch ops run on one thread (torch's idle workers would spin on
+    the cores the CPU-MoE kernel wants next), a prompt chunk's on every usable core; the caller's
+    count comes back after each forward."""
+    monkeypatch.setattr(transformer, "ONE_POOL_TOKENS", 8)           # tiny's prompt of 20 is then wide
+    eng = Engine(ck, Plan(max_context=40, prefill_chunk=20))
+    eng.model.torch_threads = 3                                       # a count no host default gives here
+    seen, routed = [], eng.experts.routed
+
+    def spy(layer, m, *a, **kw):
+        seen.append((len(m), torch.get_num_threads()))
+        return routed(layer, m, *a, **kw)
+    monkeypatch.setattr(eng.experts, "routed", spy)
+    before = torch.get_num_threads()
+    try:
+        eng.generate(list(range(1, 21)), 3)
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)
+    L = ck.config.num_hidden_layers
+    assert seen == [(20, 3)] * L + [(1, 1)] * (2 * L)
