@@ -11,6 +11,10 @@ checkpoint's bank; `--streams` forces one), warm. Rooflines:
                     expert through the same kernel, the dense linears through the runtime's own
                     kernels (the FP8 kernel over the weights as stored; torch for the float32 head)
   decode_kernel_ratio = measured / kernel-bound: what the runtime adds on top of its kernels
+  moe_engine_vs_replay = the decode run's CPU-MoE calls replayed alone (the same banks, inputs and
+                  order, right after the run) over their time inside the engine: 1.0 when the layers
+                  around a call cost it nothing (cold caches, another thread pool); a ratio taken in one
+                  process minutes apart at most, so this host's bandwidth phases move it less
   Each of --rounds rounds runs the engine, then measures its limits (the stream, the kernels), so a
   round's ratios divide by limits taken beside it (this host's bandwidth drifts between minutes); the
   medians are printed with their spread, every round kept in the JSON.
@@ -28,6 +32,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numba
@@ -45,6 +50,30 @@ from runtime.engine import Engine  # noqa: E402
 from runtime.model.weights import linear  # noqa: E402
 from runtime.plan import Plan  # noqa: E402
 from runtime.workload import make_prompt  # noqa: E402
+
+
+class MoeCalls:
+    """Every one-token CPU-MoE call the engine makes (bank, inputs, time), to replay alone."""
+
+    def __init__(self, experts):
+        self.calls, self._run = [], experts._run
+        experts._run = self                                      # the instance's, not the class's
+
+    def __call__(self, bank, x, ids, wts, key):
+        t0 = time.perf_counter()
+        y = self._run(bank, x, ids, wts, key)
+        if len(x) == 1:
+            self.calls.append((bank, x.copy(), ids.copy(), wts.copy(), time.perf_counter() - t0))
+        return y
+
+    def replay_ratio(self, threads, streams) -> float:
+        """Replayed time / time in the engine, then forget the calls."""
+        t0 = time.perf_counter()
+        for bank, x, ids, wts, _ in self.calls:
+            expert_ffn(x, ids, wts, bank, threads=threads, streams=streams)
+        ratio = (time.perf_counter() - t0) / sum(c[-1] for c in self.calls)
+        self.calls.clear()
+        return ratio
 
 
 def matmul_peak_flops(threads: int, n: int = 2048) -> float:
@@ -107,8 +136,11 @@ def main(argv=None):
     routed_b, shared_b = fp.routed_bytes_per_decode_token, fp.bytes_by_class["shared_expert"]
     bytes_tok = fp.routed_bytes_per_decode_token + fp.dense_bytes_per_token
     rounds = []
+    calls = MoeCalls(engine.experts)
     for _ in range(args.rounds):
+        calls.calls.clear()                                      # this round's decode only
         r = engine.generate(prompt, args.max_tokens)
+        replay = calls.replay_ratio(T, streams)
         stream = dram_stream_read(T, repeats=3)
         m = measure(moe_step, repeats=12, warmup=2)
         md = measure(lambda: [linear(xx, w) for xx, w in zip(xs, dense)],
@@ -118,6 +150,7 @@ def main(argv=None):
         t_kernel = routed_b / (kernel_gbs * 1e9) + shared_b / (kernel_gbs * 1e9) + dense_bytes_rt / (dense_gbs * 1e9)
         roof = stream.median * 1e9 / bytes_tok
         rounds.append({"decode_tok_s": r.decode_tok_s, "prefill_tok_s": r.prefill_tok_s, "stream_gbs": stream.median,
+                       "moe_engine_vs_replay": replay,
                        "cpu_moe_kernel_gbs": kernel_gbs, "dense_gemv_gbs": dense_gbs, "decode_roofline_tok_s": roof,
                        "decode_kernel_bound_tok_s": 1 / t_kernel, "decode_ratio": r.decode_tok_s / roof,
                        "decode_kernel_ratio": r.decode_tok_s * t_kernel, "phases": r.phases})
@@ -143,6 +176,7 @@ def main(argv=None):
     kernel_roof = P / max(t_bytes, P * routed_flop / flops + P * dense_flop / peak)
     out = {"decode_tok_s": decode, "decode_roofline_tok_s": roof, "decode_ratio": med("decode_ratio"),
            "decode_kernel_bound_tok_s": 1 / t_kernel, "decode_kernel_ratio": med("decode_kernel_ratio"),
+           "moe_engine_vs_replay": med("moe_engine_vs_replay"),
            "prefill_tok_s": prefill, "prefill_roofline_tok_s": prefill_roof, "prefill_ratio": prefill / prefill_roof,
            "matmul_peak_gflops": peak / 1e9, "cpu_moe_prefill_gflops": flops / 1e9,
            "prefill_kernel_roofline_tok_s": kernel_roof, "prefill_kernel_ratio": prefill / kernel_roof,
@@ -156,6 +190,8 @@ def main(argv=None):
     print(f"decode  {decode:6.2f} tok/s | roofline {roof:6.2f} (stream {stream_gbs:.1f} GB/s / {bytes_tok / 1e9:.3f} GB) "
           f"ratio {out['decode_ratio']:.2f} ({spread('decode_ratio')}) | kernel-bound {1 / t_kernel:6.2f} "
           f"ratio {out['decode_kernel_ratio']:.2f} ({spread('decode_kernel_ratio')}) | medians of {len(rounds)} interleaved rounds")
+    print(f"the decode run's CPU-MoE calls inside the engine ran at {out['moe_engine_vs_replay']:.2f} "
+          f"({spread('moe_engine_vs_replay')}) of their speed replayed alone")
     print(f"prefill {prefill:6.1f} tok/s | roofline {prefill_roof:6.1f} ({out['prefill_bound']}-bound, peak matmul {peak / 1e9:.0f} "
           f"GFLOP/s) ratio {out['prefill_ratio']:.2f} | at the CPU-MoE kernel's {flops / 1e9:.0f} GFLOP/s: {kernel_roof:6.1f}, "
           f"ratio {out['prefill_kernel_ratio']:.2f}")
