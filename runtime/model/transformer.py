@@ -34,8 +34,8 @@ import torch
 from hostinfo import usable_cores
 from kernels import norms, router
 from kernels.arrays import numba_ok
-from kernels.threads import torch_threads
 from kernels.engram_hash import engram_rows, slot_ranges, slot_seeds
+from kernels.threads import torch_threads
 from runtime.config import ModelConfig
 from runtime.model.attention import attend, attend_decode, select
 from runtime.model.kv import SeqState
@@ -93,8 +93,8 @@ class Seg:
 # worker spins on the cores the CPU-MoE kernel's pool wants next (kernels/threads.py): one pool at a
 # time. Mini, Zen 4 VM (2 cores): with the whole process's torch on 1 thread, the routed calls inside
 # the engine ran at 0.93-1.02 of their own replay's speed, against 0.80-0.96 on 2 threads (4
-# interleaved pairs); this switch alone (decode forwards only), 10 ABBA pairs: decode 15.7 against
-# 15.0 tok/s median, within the VM's spread (9-18). Wider forwards (prompt chunks) run torch on every
+# interleaved pairs); this switch alone (decode forwards only), 20 rounds in ABBA order: decode 15.7
+# against 15.0 tok/s median, within the VM's spread (9-18). Wider forwards (prompt chunks) run torch on every
 # usable core (hostinfo.usable_cores); the caller's count is restored after each forward.
 ONE_POOL_TOKENS = 32
 

@@ -120,18 +120,19 @@ def test_small_forwards_run_torch_on_one_thread_and_wide_ones_on_the_usable_core
     count comes back after each forward."""
     monkeypatch.setattr(transformer, "ONE_POOL_TOKENS", 8)           # tiny's prompt of 20 is then wide
     eng = Engine(ck, Plan(max_context=40, prefill_chunk=20))
-    eng.model.torch_threads = 3                                       # a count no host default gives here
+    before = torch.get_num_threads()
+    eng.model.torch_threads = before + 1                             # a count told apart from the caller's
     seen, routed = [], eng.experts.routed
 
     def spy(layer, m, *a, **kw):
         seen.append((len(m), torch.get_num_threads()))
         return routed(layer, m, *a, **kw)
     monkeypatch.setattr(eng.experts, "routed", spy)
-    before = torch.get_num_threads()
     try:
         eng.generate(list(range(1, 21)), 3)
         assert torch.get_num_threads() == before
     finally:
         torch.set_num_threads(before)
+        eng.close()
     L = ck.config.num_hidden_layers
-    assert seen == [(20, 3)] * L + [(1, 1)] * (2 * L)
+    assert seen == [(20, before + 1)] * L + [(1, 1)] * (2 * L)
