@@ -16,6 +16,8 @@ gate/up geometry). Variants:
       convert and two FP ops per block, one scale vector per 16 blocks; 1 row at a time -> package
   v8  v7, 4 rows a quarter-chunk apart
   v9  v7, 4 adjacent rows per call (one stream per thread, 4 independent chains, inputs loaded once)
+  v10 v7 on the AVX2 instruction path (32-byte vectors, `vpmaddubsw` + `vpmaddwd`) where the CPU has
+      AVX-512: do 256-bit loads stream better (as the DRAM probe's 32-byte loads do on Zen 4)?
 With --in-cache every step makes 16 passes over the same 256 rows per thread (700 KB a core: its L2
 holds them; the compute ceiling); else fresh rows from DRAM, one expert's gate+up (4608 rows) a step. Variants run interleaved over --rounds rounds.
 The package (kernels/cpu_moe.py) imports only the winner. Results and notes: kernels/lab/README.md.
@@ -31,7 +33,7 @@ from numba import njit, prange
 from hostinfo import llc_bytes, probe_budget_bytes, usable_cores
 from hostinfo.measure import measure
 from kernels.cpu_moe import E2M1_F32, LANES, MODE, STAB, _prepare, random_bytes
-from kernels.fp4_i8 import fp4_i8_dot
+from kernels.fp4_i8 import fp4_i8_dot, superblock_bytes
 from kernels.lab.fp4_i8_lanes import fp4_i8_dot_lanes
 from kernels.formats import dequantize_mxfp4
 from kernels.lab.fp4_float_dot import fp4_dot
@@ -142,6 +144,16 @@ def v9(cf, sf, xp, out, row0, nrows, stab):
                        xc.reshape(-1), xr.reshape(-1), 0, H, out, r - row0, 0, 1)
 
 
+@njit(parallel=True, nogil=True)
+def v10(cf, sf, xp, out, row0, nrows, stab):
+    xq, xc, xr = xp
+    for c in prange(nrows // CHUNK):
+        for i in range(CHUNK):
+            r = row0 + c * CHUNK + i
+            fp4_i8_dot(1, 1, 1, cf, r * (H // 2), 0, sf, r * (H // 32), 0, xq.reshape(-1),
+                       xc.reshape(-1), xr.reshape(-1), 0, H, out, r - row0, 0, 0)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=usable_cores())
@@ -174,6 +186,8 @@ def main(argv=None):
                      ("v5 int8 1 row", v5, cs + (lanes,)), ("v6 int8 4 adjacent rows", v6, cs + (lanes,)),
                      ("v7 superblocks 1 row", v7, cs + (sup,)), ("v8 superblocks 4 spaced", v8, cs + (sup,)),
                      ("v9 superblocks 4 adjacent", v9, cs + (sup,))]
+        if MODE > 1:                                           # the 32-byte path beside the 64-byte one
+            variants.append(("v10 superblocks 32-byte", v10, cs + (_prepare(x[None], one, superblock_bytes(1)),)))
     else:
         print("scalar ISA: only v0 (the SIMD variants need avx2 or avx512)")
     if args.only:
