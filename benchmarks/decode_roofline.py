@@ -44,7 +44,7 @@ from hostinfo import usable_cores  # noqa: E402
 from autotune.probes.cpu_moe import row_streams  # noqa: E402
 from hostinfo.measure import measure  # noqa: E402
 from kernels.stream import dram_stream_read  # noqa: E402
-from kernels.cpu_moe import Fp4Bank, expert_ffn  # noqa: E402
+from kernels.cpu_moe import expert_ffn  # noqa: E402
 from runtime.checkpoint.reader import Checkpoint  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
 from runtime.model.weights import linear  # noqa: E402

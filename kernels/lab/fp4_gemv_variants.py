@@ -94,16 +94,6 @@ def v4(cf, sf, xp, out, row0, nrows, stab):
 
 
 @njit(parallel=True, nogil=True)
-def v5(cf, sf, xp, out, row0, nrows, stab):
-    xq, xc, xr = xp
-    for c in prange(nrows // CHUNK):
-        for i in range(CHUNK):
-            r = row0 + c * CHUNK + i
-            fp4_i8_dot_lanes(1, 1, MODE, cf, r * (H // 2), 0, sf, r * (H // 32), 0, xq.reshape(-1),
-                             xc.reshape(-1), xr.reshape(-1), 0, H, out, r - row0, 0, 0)
-
-
-@njit(parallel=True, nogil=True)
 def v6(cf, sf, xp, out, row0, nrows, stab):
     xq, xc, xr = xp
     for c in prange(nrows // CHUNK):
@@ -113,14 +103,23 @@ def v6(cf, sf, xp, out, row0, nrows, stab):
                              xc.reshape(-1), xr.reshape(-1), 0, H, out, r - row0, 0, 1)
 
 
-@njit(parallel=True, nogil=True)
-def v7(cf, sf, xp, out, row0, nrows, stab):
-    xq, xc, xr = xp
-    for c in prange(nrows // CHUNK):
-        for i in range(CHUNK):
-            r = row0 + c * CHUNK + i
-            fp4_i8_dot(1, 1, MODE, cf, r * (H // 2), 0, sf, r * (H // 32), 0, xq.reshape(-1),
-                       xc.reshape(-1), xr.reshape(-1), 0, H, out, r - row0, 0, 0)
+def one_row(dot, mode):
+    """v5 / v7 / v10: rows in order, one at a time (one DRAM stream per thread), through the intrinsic
+    `dot` on instruction path `mode` (constants of the compiled function, as the intrinsics need)."""
+    @njit(parallel=True, nogil=True)
+    def gemv(cf, sf, xp, out, row0, nrows, stab):
+        xq, xc, xr = xp
+        for c in prange(nrows // CHUNK):
+            for i in range(CHUNK):
+                r = row0 + c * CHUNK + i
+                dot(1, 1, mode, cf, r * (H // 2), 0, sf, r * (H // 32), 0, xq.reshape(-1),
+                    xc.reshape(-1), xr.reshape(-1), 0, H, out, r - row0, 0, 0)
+    return gemv
+
+
+v5 = one_row(fp4_i8_dot_lanes, MODE)
+v7 = one_row(fp4_i8_dot, MODE)
+v10 = one_row(fp4_i8_dot, 1)                                   # the AVX2 path's 32-byte vectors
 
 
 @njit(parallel=True, nogil=True)
@@ -142,16 +141,6 @@ def v9(cf, sf, xp, out, row0, nrows, stab):
             r = row0 + c * CHUNK + i
             fp4_i8_dot(4, 1, MODE, cf, r * (H // 2), H // 2, sf, r * (H // 32), H // 32, xq.reshape(-1),
                        xc.reshape(-1), xr.reshape(-1), 0, H, out, r - row0, 0, 1)
-
-
-@njit(parallel=True, nogil=True)
-def v10(cf, sf, xp, out, row0, nrows, stab):
-    xq, xc, xr = xp
-    for c in prange(nrows // CHUNK):
-        for i in range(CHUNK):
-            r = row0 + c * CHUNK + i
-            fp4_i8_dot(1, 1, 1, cf, r * (H // 2), 0, sf, r * (H // 32), 0, xq.reshape(-1),
-                       xc.reshape(-1), xr.reshape(-1), 0, H, out, r - row0, 0, 0)
 
 
 def main(argv=None):
