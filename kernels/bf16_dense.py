@@ -31,7 +31,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from kernels.cpu_moe import CACHE, LANES
-from kernels.fp4_simd import PREFETCH, _data_ptrs, _fma_prefetch, _literal, _store_sums, _zeroed_accs, f32, i8, i32, i64
+from kernels.fp4_simd import _data_ptrs, _fma_prefetch, _literal, _store_sums, _zeroed_accs, f32, i8, i32, i64, prefetch_weights
 from kernels.threads import set_threads
 
 TILE_MIN_TOKENS = 16
@@ -95,8 +95,7 @@ def bf16_dot(typingctx, T_t, lanes_t, w, w_off, nchunks, x, x_off, x_stride, out
         with cgutils.for_range(builder, nc) as loop:
             k0 = builder.mul(loop.index, ir.Constant(i64, UNROLL * lanes))
             wp0 = builder.gep(wbase, [builder.add(w_off_v, k0)])
-            builder.call(prefetch, [builder.gep(builder.bitcast(wp0, i8.as_pointer()), [ir.Constant(i64, PREFETCH)]),
-                                    ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+            prefetch_weights(builder, prefetch, builder.bitcast(wp0, i8.as_pointer()))
             for u in range(UNROLL):
                 k = builder.add(k0, ir.Constant(i64, u * lanes))
                 wp = builder.gep(wbase, [builder.add(w_off_v, k)])

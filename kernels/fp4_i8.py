@@ -47,19 +47,12 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels.fp4_simd import E2M1, _data_ptrs, _literal
+from kernels.fp4_simd import E2M1, _data_ptrs, _literal, prefetch_weights
 
 OFFSET = 12                                           # 2 x E2M1 in [-12, 12] -> + 12 in [0, 24]
 LUT16 = [int(2 * v) + OFFSET for v in E2M1]
 STEP = {1: 32, 2: 64, 3: 64}                          # bytes per vector
 SUPER = 4                                             # vectors per superblock
-# The code stream's software prefetch: PREFETCH bytes ahead of each row's reads, into L2 (llvm.prefetch
-# locality 1: prefetcht2). Zen 4 VM, one row at a time from DRAM, 2 threads, five in-process runs of
-# interleaved rounds (kernels/lab/fp4_prefetch.py, kernels/lab/README.md): 16 KiB into L2 read 1.02-1.28x
-# the former 2 KiB into L1 (median 1.14, never below); 16 KiB into L1 0.78-0.90x: a far prefetch must
-# not hold the L1's few miss buffers.
-PREFETCH = 16384
-LOCALITY = 1
 
 i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 
@@ -200,8 +193,7 @@ def fp4_i8_dot(typingctx, R_t, T_t, mode_t, codes, c_off, c_stride, scales, s_of
         sums = [[ir.Constant(f32, 0.0)] * T for _ in range(R)]
 
         def fetch_ahead(at):
-            builder.call(prefetch, [builder.gep(cbase, [builder.add(at, c64(PREFETCH))]),
-                                    ir.Constant(i32, 0), ir.Constant(i32, LOCALITY), ir.Constant(i32, 1)])
+            prefetch_weights(builder, prefetch, builder.gep(cbase, [at]))
 
         def accumulators(st):
             return [[cgutils.alloca_once_value(builder, ir.Constant(st.vf, [0.0] * st.n)) for _ in range(T)] for _ in range(R)]

@@ -8,12 +8,13 @@ Plain numba loops over packed E2M1 reach 0.5-2 GB/s (a table gather and a horizo
   - x is de-interleaved once per token (even inputs then odd inputs), so low nibbles multiply the even
     half and high nibbles the odd half with no shuffles in the inner loop;
   - one vector accumulator per row, one ordered reduction at the end (deterministic);
-  - R rows share each x load, T inputs share each decode; a software prefetch runs `PREFETCH`
-    bytes ahead in each row.
+  - R rows share each x load, T inputs share each decode; a software prefetch runs ahead in each row
+    (`PREFETCH` bytes into L1 in the lab's float kernels; the package's weight streams use
+    `prefetch_weights`: WEIGHT_PREFETCH bytes into L2).
 
 `fp4_dequant(lanes, ...)` writes a decoded float32 row (prefill tiles). The float dot product built on
 the same decoder (`fp4_dot`, the package's kernel until int8 inputs replaced it: kernels/fp4_i8.py) now
-lives in the lab (kernels/lab/fp4_float_dot.py); the helpers below serve the FP8 kernels too.
+lives in the lab (kernels/lab/fp4_float_dot.py); the helpers below serve the int8, FP8 and BF16 kernels.
 """
 from __future__ import annotations
 
@@ -23,7 +24,16 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-PREFETCH = 2048
+PREFETCH = 2048                    # the lab's float kernels: 2 KiB ahead into L1
+# The package's weight streams (the ds_fp4 int8 kernel, the FP8 and BF16 GEMVs): WEIGHT_PREFETCH bytes
+# ahead, into L2 (llvm.prefetch locality 1: prefetcht2); `prefetch_weights` emits it. A prefetcht0
+# holds one of the L1's few miss buffers until its line arrives; far ahead, that stalls the loads the
+# kernel is waiting for. Zen 4 VM, 2 threads, from DRAM, every configuration compiled into its own
+# copy of a kernel and all interleaved in one process, per-round ratio to the former 2 KiB into L1
+# (kernels/lab/weight_prefetch.py, kernels/lab/README.md): ds_fp4 rows 1.02-1.28 (six runs, never
+# below), FP8 rows 1.28 / 1.31, BF16 rows 1.21 / 1.11 / 1.14; 16 KiB into L1 0.78-1.12.
+WEIGHT_PREFETCH = 16384
+WEIGHT_LOCALITY = 1
 
 f32, i8, i32, i64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
 
@@ -57,6 +67,13 @@ class _Decoder:
         mag = b.call(self.perm, [self.table, b.and_(codes_i32, ir.Constant(self.vi, [7] * 8))])
         sign = b.shl(b.and_(codes_i32, ir.Constant(self.vi, [8] * 8)), ir.Constant(self.vi, [28] * 8))
         return b.bitcast(b.xor(b.bitcast(mag, self.vi), sign), self.vf)
+
+
+def prefetch_weights(builder, prefetch, ptr):
+    """Emit the weight stream's prefetch: WEIGHT_PREFETCH bytes past the i8* `ptr`, into L2 (read at
+    code-emission time: kernels/lab/weight_prefetch.py compiles copies with other values)."""
+    builder.call(prefetch, [builder.gep(ptr, [ir.Constant(i64, WEIGHT_PREFETCH)]), ir.Constant(i32, 0),
+                            ir.Constant(i32, WEIGHT_LOCALITY), ir.Constant(i32, 1)])
 
 
 def _fma_prefetch(builder, vf, lanes):

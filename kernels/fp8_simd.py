@@ -22,7 +22,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels.fp4_simd import PREFETCH, _data_ptrs, _fma_prefetch, _literal, _splat, _store_sums, _zeroed_accs, f32, i8, i32, i64
+from kernels.fp4_simd import _data_ptrs, _fma_prefetch, _literal, _splat, _store_sums, _zeroed_accs, f32, i8, i64, prefetch_weights
 
 i16, f16 = ir.IntType(16), ir.HalfType()
 UNDO = 256.0                      # the half decode's 2^-8, undone once per output (exact)
@@ -75,8 +75,7 @@ def fp8_dot(typingctx, R_t, T_t, lanes_t, q, q_off, q_stride, scales, s_off, s_s
                 for r in range(R):
                     qp = builder.gep(qbase, [builder.add(rows_q[r], k0)])
                     if h == 0:
-                        builder.call(prefetch, [builder.gep(qp, [ir.Constant(i64, PREFETCH)]),
-                                                ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+                        prefetch_weights(builder, prefetch, qp)
                     w = _decode_e4m3(builder, builder.load(builder.bitcast(qp, vb.as_pointer()), align=1), lanes)
                     for j in range(T):
                         parts[r][j] = builder.call(fma, [w, xs[j], parts[r][j]])
