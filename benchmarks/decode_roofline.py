@@ -97,6 +97,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3, help="engine runs, each followed by its limits (stream, kernels)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.max_tokens < 2:
+        ap.error(f"--max-tokens {args.max_tokens}: at least 2 (the first token comes from the prefill; decode is measured after it)")
     if not (Path(args.checkpoint) / "model.safetensors.index.json").exists():
         subprocess.run([sys.executable, "-m", "runtime.cli.checkpoint", "make", "--preset", "mini", "--out", args.checkpoint], check=True)
     ck = Checkpoint(args.checkpoint)

@@ -142,7 +142,8 @@ def dram_stream_read(threads: int, nbytes: int | None = None, repeats: int = 7, 
                      note: str = "") -> Measurement:
     """GB/s read by `threads`: every variant (`variants`), `repeats` rounds (each round runs every variant
     once, so drift hits all alike), the best variant's samples; extra: the variant (`layout`, with its
-    sub-streams and load width) and every variant's median and samples. Over `buf` and its `note` (a `stream_buffer`) when given, else a fresh buffer.
+    sub-streams and load width) and every variant's median and samples. Over `buf` and its `note` (a
+    `stream_buffer`) when given, else a fresh buffer.
     An asked-for size under 4x the LLC is refused (it would measure the cache); the default size and a
     stream_buffer's carry a note instead."""
     nbytes, note, asked = _sized(nbytes, buf, note)

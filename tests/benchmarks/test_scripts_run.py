@@ -23,3 +23,9 @@ def test_decode_roofline_runs_to_the_end_on_tiny_and_one_core(tiny_dir):
               "cpu_moe_kernel_gbs", "dense_gemv_gbs", "matmul_peak_gflops"):
         assert math.isfinite(out[k]) and out[k] > 0, (k, out[k])
     assert "of their speed replayed alone" in p.stdout
+
+
+def test_decode_roofline_refuses_a_run_with_no_decode_step(tiny_dir):
+    p = subprocess.run([sys.executable, str(SCRIPTS / "decode_roofline.py"), "--checkpoint", str(tiny_dir), "--max-tokens", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--max-tokens 1: at least 2" in p.stderr, p.stderr[-2000:]
