@@ -2,7 +2,11 @@
 served request) under host shapes unlike this one, each in its own process with hostinfo's overrides.
 A shape this machine cannot take (an ISA wider than its CPU, no tmpfs) is skipped with the reason.
 Every case caps what one probe allocates ($DSV41_PROBE_MIB, PROBE): the figures are not what these
-tests check, and a VM can take seconds per GiB the first time a process touches fresh memory."""
+tests check, and a VM can take seconds per GiB the first time a process touches fresh memory.
+
+The cases run LANES at a time (`matrix`): each is one process, most of it single-threaded (numba
+compiling a forced path's kernels cold, Optuna, the server), so on a 2-core CI machine two of them take
+about the time of one. What each case checks is unchanged; its figures are not what is checked."""
 import contextlib
 import json
 import os
@@ -10,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -85,11 +90,73 @@ ISA_CASES = [pytest.param("scalar", {"DSV41_CPU_ISA": "scalar", "DSV41_LLC_MIB":
 BIG_CACHE = {"DSV41_LLC_MIB": "1024", "DSV41_RAM_GIB": "9", "DSV41_PROBE_MIB": "768"}
 
 
-@pytest.mark.parametrize("want_isa,env", ISA_CASES)
-def test_isa_and_cache_shapes(tiny_dir, tmp_path, want_isa, env):
+LANES = 2                                   # cases at a time
+
+
+def isa_case(ck: Path, out: Path, want_isa: str, env: dict):
     if WIDER[want_isa] > WIDER[NATIVE]:
         pytest.skip(f"this CPU's widest path is {NATIVE}, not {want_isa}")
-    r = run_case(tiny_dir, tmp_path, env)
+    return run_case(ck, out, env), env
+
+
+def one_core_case(tmp: Path):
+    """One usable core; RAM that holds only half the routed experts beside the leanest plan, so the tune
+    puts the rest on the NVMe tier; and a checkpoint directory nothing may write into. tiny's experts
+    (0.8 MB) vanish beside a chunk's temporaries: a tiny geometry with 54 MB of them."""
+    cfg = ModelConfig.preset("tiny").replace(name="tiny-big-experts", moe_intermediate_size=1024, n_routed_experts=64)
+    ck = make_checkpoint(cfg, tmp / "ro" / "ck", seed=0)
+    fp = Checkpoint(ck).footprint()
+    # what the leanest plan the search offers needs besides its experts (runtime/budget.py: the smallest
+    # chunk and context; Engram in RAM, so any placement fits) + half the experts
+    lean = Plan(host_expert_budget_gib=0.0, prefill_chunk=min(CHUNKS), max_context=min(CONTEXTS))
+    ram = OS_HEADROOM + host_bytes(lean, fp, dense_on_host=True) + fp.routed_expert_bytes_total // 2
+    before = sorted(p.name for p in ck.iterdir())
+    env = {"DSV41_CORES": "1", "NUMBA_NUM_THREADS": "1", "DSV41_LLC_MIB": "2", "DSV41_RAM_GIB": f"{ram / 2**30:.7f}"}
+    with read_only(ck):
+        r = run_case(ck, tmp / "out", env)
+    return r, env, fp.routed_expert_bytes_total, before, sorted(p.name for p in ck.iterdir()), list(ck.parent.glob(".dsv41-probe-*"))
+
+
+def native_case(tiny: Path, tmp: Path):
+    """An LLC of 1 GiB in 9 GiB of RAM; the checkpoint on tmpfs (or without O_DIRECT); numba's workqueue."""
+    shm = Path("/dev/shm")
+    mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+    on_tmpfs = any(m[1] == str(shm) and m[2] == "tmpfs" for m in mounts)
+    if on_tmpfs:                          # the NVMe probe's scratch file (the probe budget) goes beside the checkpoint
+        st = os.statvfs(shm)
+        on_tmpfs = st.f_bavail * st.f_frsize > 2 * float(BIG_CACHE["DSV41_PROBE_MIB"]) * 2**20
+    root = Path(subprocess.check_output(["mktemp", "-d", "-p", str(shm)], text=True).strip()) if on_tmpfs else tmp / "fs"
+    try:
+        ck = root / "tiny"
+        shutil.copytree(tiny, ck)
+        env = {**BIG_CACHE, "NUMBA_THREADING_LAYER": "workqueue"}
+        if not o_direct_refusal(next(ck.glob("*.safetensors"))):
+            env["DSV41_O_DIRECT"] = "0"
+        return run_case(ck, tmp / "out", env), env
+    finally:
+        if on_tmpfs:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def matrix(request, tiny_dir, tmp_path_factory):
+    """{case id: future of its result}: the cases this session selected, started at once, LANES at a
+    time, longest first (on this VM: avx2 ~80 s, scalar ~60, native ~45, one core ~40, each cold)."""
+    tmp = tmp_path_factory.mktemp("matrix")
+    isa = {p.id: p.values for p in ISA_CASES}
+    jobs = {"avx2-llc32mib-x4domains": (isa_case, tiny_dir, tmp / "avx2", *isa["avx2-llc32mib-x4domains"]),
+            "scalar-llc2mib-probe192mib": (isa_case, tiny_dir, tmp / "scalar", *isa["scalar-llc2mib-probe192mib"]),
+            "native": (native_case, tiny_dir, tmp / "native"),
+            "one-core": (one_core_case, tmp / "one-core")}
+    wanted = {item.callspec.id if hasattr(item, "callspec") else TEST_CASE[item.originalname]
+              for item in request.session.items if item.module is request.module}
+    with ThreadPoolExecutor(LANES) as pool:
+        yield {k: pool.submit(*job) for k, job in jobs.items() if k in wanted}
+
+
+@pytest.mark.parametrize("want_isa,env", ISA_CASES)
+def test_isa_and_cache_shapes(matrix, request, want_isa, env):
+    r, env = matrix[request.node.callspec.id].result()
     check_isa_and_cache(r, want_isa, env)
 
 
@@ -118,33 +185,19 @@ def check_isa_and_cache(r: dict, want_isa: str, env: dict) -> None:
         assert "probe memory budget" in m["dram_stream_read_gbs"]["note"]
 
 
-def test_one_core_small_ram_and_a_read_only_checkpoint_directory(tmp_path):
-    """Three shapes in one process (each costs a whole quick tune): one usable core; RAM that holds only
-    half the routed experts beside the leanest plan, so the tune puts the rest on the NVMe tier; and a
-    checkpoint directory nothing may write into. tiny's experts (0.8 MB) vanish beside a chunk's
-    temporaries: a tiny geometry with 54 MB of them."""
-    cfg = ModelConfig.preset("tiny").replace(name="tiny-big-experts", moe_intermediate_size=1024, n_routed_experts=64)
-    ck = make_checkpoint(cfg, tmp_path / "ro" / "ck", seed=0)
-    fp = Checkpoint(ck).footprint()
-    routed = fp.routed_expert_bytes_total
-    # what the leanest plan the search offers needs besides its experts (runtime/budget.py: the smallest
-    # chunk and context; Engram in RAM, so any placement fits) + half the experts
-    lean = Plan(host_expert_budget_gib=0.0, prefill_chunk=min(CHUNKS), max_context=min(CONTEXTS))
-    ram = OS_HEADROOM + host_bytes(lean, fp, dense_on_host=True) + routed // 2
-    before = sorted(p.name for p in ck.iterdir())
-    env = {"DSV41_CORES": "1", "NUMBA_NUM_THREADS": "1", "DSV41_LLC_MIB": "2", "DSV41_RAM_GIB": f"{ram / 2**30:.7f}"}
-    with read_only(ck):
-        r = run_case(ck, tmp_path / "out", env)
+def test_one_core_small_ram_and_a_read_only_checkpoint_directory(matrix):
+    """Three shapes in one process (each costs a whole quick tune): see `one_core_case`."""
+    r, env, routed, before, after, scratch = matrix["one-core"].result()
     check_common(r, env)
     assert r["facts"]["usable_cores"] == 1 and r["host"]["hard"]["physical_cores"] == 1
     assert {e["threads"] for e in r["measurements"]["cpu_moe_gbs"] if "threads" in e} == {1}
     budget = r["plan"]["host_expert_budget_gib"]
     assert budget is not None and budget * 2**30 < routed                # part of the experts live on NVMe
-    assert sorted(p.name for p in ck.iterdir()) == before             # nothing written into the checkpoint
-    assert not list(ck.parent.glob(".dsv41-probe-*"))                 # the probe's scratch directory is gone
+    assert after == before                                            # nothing written into the checkpoint
+    assert not scratch                                                # the probe's scratch directory is gone
 
 
-def test_native_path_a_1gib_cache_and_9gib_on_tmpfs_without_o_direct_on_workqueue(tiny_dir, tmp_path):
+def test_native_path_a_1gib_cache_and_9gib_on_tmpfs_without_o_direct_on_workqueue(matrix):
     """Three shapes in one process (each costs a whole quick tune), on the CPU's own path:
     - an LLC of 1 GiB in 9 GiB of RAM: the probe budget keeps the banks and the stream buffer under 4x
       the cache, and the figures say so;
@@ -154,25 +207,13 @@ def test_native_path_a_1gib_cache_and_9gib_on_tmpfs_without_o_direct_on_workqueu
     - numba on its workqueue layer, as a slim container image without libgomp or tbb runs it (not
       threadsafe): the profile records it, the cost model reads it (tests/autotune/test_costmodel.py),
       the runtime's CPU shares then run in turn (tests/runtime/test_runtime.py)."""
-    shm = Path("/dev/shm")
-    mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
-    on_tmpfs = any(m[1] == str(shm) and m[2] == "tmpfs" for m in mounts)
-    if on_tmpfs:                          # the NVMe probe's scratch file (the probe budget) goes beside the checkpoint
-        st = os.statvfs(shm)
-        on_tmpfs = st.f_bavail * st.f_frsize > 2 * float(BIG_CACHE["DSV41_PROBE_MIB"]) * 2**20
-    root = Path(subprocess.check_output(["mktemp", "-d", "-p", str(shm)], text=True).strip()) if on_tmpfs else tmp_path / "fs"
-    try:
-        ck = root / "tiny"
-        shutil.copytree(tiny_dir, ck)
-        env = {**BIG_CACHE, "NUMBA_THREADING_LAYER": "workqueue"}
-        if not o_direct_refusal(next(ck.glob("*.safetensors"))):
-            env["DSV41_O_DIRECT"] = "0"
-        r = run_case(ck, tmp_path / "out", env)
-        check_isa_and_cache(r, NATIVE, env)
-        assert r["host"]["soft"]["numba_threading_layer"] == "workqueue"
-        curve = r["measurements"]["nvme_randread_4k"]
-        assert all(e["io_path"] == "buffered" and "O_DIRECT" in e["fallback"] for e in curve)
-        assert r["info_io"]["profile"].startswith("buffered (")          # shown by dsv41-serve's /dsv41/info too
-    finally:
-        if on_tmpfs:
-            shutil.rmtree(root, ignore_errors=True)
+    r, env = matrix["native"].result()
+    check_isa_and_cache(r, NATIVE, env)
+    assert r["host"]["soft"]["numba_threading_layer"] == "workqueue"
+    curve = r["measurements"]["nvme_randread_4k"]
+    assert all(e["io_path"] == "buffered" and "O_DIRECT" in e["fallback"] for e in curve)
+    assert r["info_io"]["profile"].startswith("buffered (")          # shown by dsv41-serve's /dsv41/info too
+
+
+TEST_CASE = {test_one_core_small_ram_and_a_read_only_checkpoint_directory.__name__: "one-core",
+             test_native_path_a_1gib_cache_and_9gib_on_tmpfs_without_o_direct_on_workqueue.__name__: "native"}
