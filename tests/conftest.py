@@ -1,5 +1,7 @@
 """Shared fixtures, once per test session: a tiny checkpoint, a full-size skeleton, a quick end-to-end
-tune of this host, and a live dsv41-serve process on loopback."""
+tune of this host, a live dsv41-serve process on loopback, and `start_cases` (a module's subprocess
+cases run two at a time)."""
+import contextlib
 import json
 import os
 import shutil
@@ -7,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -20,6 +23,27 @@ from runtime.config import ModelConfig
 from runtime.plan import Plan
 
 SHIPPED = Path(__file__).resolve().parents[1] / "profiles" / "5090-epyc.json"
+
+
+LANES = 2            # subprocess cases at a time (start_cases)
+
+
+@contextlib.contextmanager
+def _start_cases(request, jobs: dict, case_of=lambda item: item.callspec.id):
+    """Start a module's cases at once, LANES at a time, in the order given (longest first): jobs {case id:
+    (function, *args)} -> {case id: future of its result}, only the cases this session selected
+    (`case_of`: the case id of a test that uses the calling fixture). Each case is one process, most of it single-threaded (numba
+    compiling a forced SIMD path's kernels cold, Optuna, a server), so on a 2-core CI machine two
+    take about the time of one; a case that calls pytest.skip skips the test that awaits it."""
+    wanted = {case_of(item) for item in request.session.items
+              if item.module is request.module and request.fixturename in item.fixturenames}
+    with ThreadPoolExecutor(LANES) as pool:
+        yield {k: pool.submit(*job) for k, job in jobs.items() if k in wanted}
+
+
+@pytest.fixture(scope="session")
+def start_cases():
+    return _start_cases
 
 
 @pytest.fixture(scope="session")

@@ -4,9 +4,7 @@ A shape this machine cannot take (an ISA wider than its CPU, no tmpfs) is skippe
 Every case caps what one probe allocates ($DSV41_PROBE_MIB, PROBE): the figures are not what these
 tests check, and a VM can take seconds per GiB the first time a process touches fresh memory.
 
-The cases run LANES at a time (`matrix`): each is one process, most of it single-threaded (numba
-compiling a forced path's kernels cold, Optuna, the server), so on a 2-core CI machine two of them take
-about the time of one. What each case checks is unchanged; its figures are not what is checked."""
+The cases run two at a time (`matrix`, tests/conftest.py start_cases)."""
 import contextlib
 import json
 import os
@@ -14,7 +12,6 @@ import re
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -90,9 +87,6 @@ ISA_CASES = [pytest.param("scalar", {"DSV41_CPU_ISA": "scalar", "DSV41_LLC_MIB":
 BIG_CACHE = {"DSV41_LLC_MIB": "1024", "DSV41_RAM_GIB": "9", "DSV41_PROBE_MIB": "768"}
 
 
-LANES = 2                                   # cases at a time
-
-
 def isa_case(ck: Path, out: Path, want_isa: str, env: dict):
     if WIDER[want_isa] > WIDER[NATIVE]:
         pytest.skip(f"this CPU's widest path is {NATIVE}, not {want_isa}")
@@ -139,19 +133,17 @@ def native_case(tiny: Path, tmp: Path):
 
 
 @pytest.fixture(scope="module")
-def matrix(request, tiny_dir, tmp_path_factory):
-    """{case id: future of its result}: the cases this session selected, started at once, LANES at a
-    time, longest first (on this VM: avx2 ~80 s, scalar ~60, native ~45, one core ~40, each cold)."""
+def matrix(request, start_cases, tiny_dir, tmp_path_factory):
+    """{case id: future of its result}, longest first (on this VM: avx2 ~80 s, scalar ~60, native ~45,
+    one core ~40, each cold)."""
     tmp = tmp_path_factory.mktemp("matrix")
     isa = {p.id: p.values for p in ISA_CASES}
     jobs = {"avx2-llc32mib-x4domains": (isa_case, tiny_dir, tmp / "avx2", *isa["avx2-llc32mib-x4domains"]),
             "scalar-llc2mib-probe192mib": (isa_case, tiny_dir, tmp / "scalar", *isa["scalar-llc2mib-probe192mib"]),
             "native": (native_case, tiny_dir, tmp / "native"),
             "one-core": (one_core_case, tmp / "one-core")}
-    wanted = {item.callspec.id if hasattr(item, "callspec") else TEST_CASE[item.originalname]
-              for item in request.session.items if item.module is request.module}
-    with ThreadPoolExecutor(LANES) as pool:
-        yield {k: pool.submit(*job) for k, job in jobs.items() if k in wanted}
+    with start_cases(request, jobs, lambda item: item.callspec.id if hasattr(item, "callspec") else TEST_CASE[item.originalname]) as cases:
+        yield cases
 
 
 @pytest.mark.parametrize("want_isa,env", ISA_CASES)

@@ -161,12 +161,26 @@ def _runnable_isas():
     return order[order.index(host):]
 
 
-@pytest.mark.parametrize("isa", ["avx512vnni", "avx512", "avx2", "scalar"])
-def test_every_isa_path_this_cpu_can_run(isa):
+ISAS = ["avx512vnni", "avx512", "avx2", "scalar"]
+
+
+def _isa_case(isa):
     if isa not in _runnable_isas():
         pytest.skip(f"this CPU cannot run the {isa} path")
     env = dict(os.environ, DSV41_CPU_ISA=isa)
-    out = subprocess.run([sys.executable, "-c", ISA_SCRIPT.format(isa=isa)], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", ISA_SCRIPT.format(isa=isa)], env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def isa_runs(request, start_cases):
+    """Every path's process started at once, two at a time (each mostly compiling its kernels cold)."""
+    with start_cases(request, {isa: (_isa_case, isa) for isa in ISAS}) as runs:
+        yield runs
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_isa_path_this_cpu_can_run(isa_runs, isa):
+    out = isa_runs[isa].result()
     assert out.returncode == 0, out.stderr[-2000:]
     err, exact = out.stdout.split()
     assert float(err) < RTOL and exact == "True"

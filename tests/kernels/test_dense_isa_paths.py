@@ -34,14 +34,29 @@ print(float(np.linalg.norm(ys[0] - ref) / np.linalg.norm(ref)), all(np.array_equ
 """
 
 
-@pytest.mark.parametrize("kernel", list(WEIGHTS))
-@pytest.mark.parametrize("path", ["avx512", "avx2", "scalar"])
-def test_every_isa_path_and_thread_count(kernel, path):
+PATHS = ["avx512", "avx2", "scalar"]
+
+
+def _case(kernel, path):
     if ORDER.index(path) > ORDER.index(isa()):
         pytest.skip(f"this CPU's widest path is {isa()}, not {path}")
     env = dict(os.environ, DSV41_CPU_ISA=path, NUMBA_NUM_THREADS="4")
-    out = subprocess.run([sys.executable, "-c", SCRIPT.format(weight=WEIGHTS[kernel])], env=env,
-                         capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", SCRIPT.format(weight=WEIGHTS[kernel])], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def runs(request, start_cases):
+    """Every (path, kernel) process started at once, two at a time (each mostly compiling cold)."""
+    jobs = {f"{path}-{kernel}": (_case, kernel, path) for path in PATHS for kernel in WEIGHTS}
+    with start_cases(request, jobs) as started:
+        yield started
+
+
+@pytest.mark.parametrize("kernel", list(WEIGHTS))
+@pytest.mark.parametrize("path", PATHS)
+def test_every_isa_path_and_thread_count(runs, request, kernel, path):
+    out = runs[request.node.callspec.id].result()
     assert out.returncode == 0, out.stderr[-2000:]
     err, same = out.stdout.split()
     assert float(err) < RTOL and same == "True"
