@@ -30,11 +30,12 @@ LANES = 2            # subprocess cases at a time (start_cases)
 
 @contextlib.contextmanager
 def _start_cases(request, jobs: dict, case_of=lambda item: item.callspec.id):
-    """Start a module's cases at once, LANES at a time, in the order given (longest first): jobs {case id:
-    (function, *args)} -> {case id: future of its result}, only the cases this session selected
-    (`case_of`: the case id of a test that uses the calling fixture). Each case is one process, most of it single-threaded (numba
-    compiling a forced SIMD path's kernels cold, Optuna, a server), so on a 2-core CI machine two
-    take about the time of one; a case that calls pytest.skip skips the test that awaits it."""
+    """Start a module's cases at once, LANES at a time, in the order given (longest first): jobs {case
+    id: (function, *args)} -> {case id: future of its result}, only the cases this session selected
+    (`case_of`: the case id of a test that uses the calling fixture). Each case is one process, most
+    of it single-threaded (numba compiling a forced SIMD path's kernels cold, Optuna, a server), so on
+    a 2-core CI machine two take about the time of one; a case that calls pytest.skip skips the test
+    that awaits it."""
     wanted = {case_of(item) for item in request.session.items
               if item.module is request.module and request.fixturename in item.fixturenames}
     with ThreadPoolExecutor(LANES) as pool:

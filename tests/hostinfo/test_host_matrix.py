@@ -137,11 +137,8 @@ def matrix(request, start_cases, tiny_dir, tmp_path_factory):
     """{case id: future of its result}, longest first (on this VM: avx2 ~80 s, scalar ~60, native ~45,
     one core ~40, each cold)."""
     tmp = tmp_path_factory.mktemp("matrix")
-    isa = {p.id: p.values for p in ISA_CASES}
-    jobs = {"avx2-llc32mib-x4domains": (isa_case, tiny_dir, tmp / "avx2", *isa["avx2-llc32mib-x4domains"]),
-            "scalar-llc2mib-probe192mib": (isa_case, tiny_dir, tmp / "scalar", *isa["scalar-llc2mib-probe192mib"]),
-            "native": (native_case, tiny_dir, tmp / "native"),
-            "one-core": (one_core_case, tmp / "one-core")}
+    jobs = {p.id: (isa_case, tiny_dir, tmp / p.values[0], *p.values) for p in reversed(ISA_CASES)}   # avx2 first
+    jobs.update({"native": (native_case, tiny_dir, tmp / "native"), "one-core": (one_core_case, tmp / "one-core")})
     with start_cases(request, jobs, lambda item: item.callspec.id if hasattr(item, "callspec") else TEST_CASE[item.originalname]) as cases:
         yield cases
 
