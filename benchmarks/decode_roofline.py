@@ -7,9 +7,12 @@ checkpoint's bank; `--streams` forces one), warm. Rooflines:
   roofline        = DRAM stream read (this run) / bytes per decoded token from the footprint
                     (routed experts K*L*expert + shared + dense/attention + head, as stored)
   kernel-bound    = 1 / sum over phases of (that phase's bytes per token / its kernel's GB/s), each
-                    kernel measured standalone here: the CPU-MoE kernel (6 fresh experts), the shared
-                    expert through the same kernel, the dense linears through the runtime's own
-                    kernels (the FP8 kernel over the weights as stored; torch for the float32 head)
+                    kernel measured standalone here from DRAM: the CPU-MoE kernel (6 fresh experts a
+                    step, every layer's bank in turn), the shared expert through the same kernel, the
+                    dense linears through the runtime's own kernels (the FP8 and BF16 kernels over the
+                    weights as stored), over copies of them until the rotation spans 4x the total LLC
+                    (within the probe budget; the note says when it does not): in the engine every
+                    layer's MoE read evicts them, so a reference timed in cache would flatter the bound
   decode_kernel_ratio = measured / kernel-bound: what the runtime adds on top of its kernels
   moe_engine_vs_replay = the decode run's CPU-MoE calls replayed alone (the same banks, inputs and
                   order, right after the run) over their time inside the engine: 1.0 when the layers
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -40,11 +44,13 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hostinfo import usable_cores  # noqa: E402
+from hostinfo import llc_bytes, probe_budget_bytes, usable_cores  # noqa: E402
 from autotune.probes.cpu_moe import row_streams  # noqa: E402
 from hostinfo.measure import measure  # noqa: E402
 from kernels.stream import dram_stream_read  # noqa: E402
+from kernels.bf16_dense import Bf16Weight  # noqa: E402
 from kernels.cpu_moe import expert_ffn  # noqa: E402
+from kernels.fp8_dense import Fp8Weight  # noqa: E402
 from runtime.checkpoint.reader import Checkpoint  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
 from runtime.model.weights import linear  # noqa: E402
@@ -74,6 +80,28 @@ class MoeCalls:
         ratio = (time.perf_counter() - t0) / sum(c[-1] for c in self.calls)
         self.calls.clear()
         return ratio
+
+
+def rotation(nbytes: int) -> tuple[int, str]:
+    """-> (copies, note): how many copies of an `nbytes` working set a rotation needs to span 4x the total
+    LLC (each read then comes from DRAM), within the probe budget; the note says when that keeps it under."""
+    llc, cap = llc_bytes(), probe_budget_bytes()
+    want = max(1, math.ceil(4 * llc / max(nbytes, 1)))
+    copies = max(1, min(want, cap // max(nbytes, 1)))
+    if copies >= want:
+        return copies, ""
+    return copies, (f"the dense reference rotates over {copies * nbytes / 2**20:.0f} MiB: the probe memory budget "
+                    f"({cap / 2**20:.0f} MiB) keeps it under 4x the total last-level cache ({llc / 2**20:.0f} MiB), so part "
+                    f"of it is cache")
+
+
+def held_copy(w):
+    """A fresh copy of a weight as load_dense holds it (FP8 or BF16 as stored, or a tensor)."""
+    if isinstance(w, Fp8Weight):
+        return Fp8Weight(w.q.copy(), w.scale.copy(), w.block)
+    if isinstance(w, Bf16Weight):
+        return Bf16Weight(w.bits.copy())
+    return w.clone()
 
 
 def matmul_peak_flops(threads: int, n: int = 2048) -> float:
@@ -121,20 +149,35 @@ def main(argv=None):
         engine = Engine(ck, plan)
     engine.generate(prompt, 4)                                   # warm: compile, page in
     # --- standalone kernels, interleaved with the engine's runs: round i's ratios divide by round i's limits
-    bank = engine.experts.host[0]
-    step = {"i": 0}
+    banks = [b for b in engine.experts.host if b is not None]   # every layer's bank in turn: fresh experts
+    step = {"i": 0, "dense": 0}
     x = np.random.default_rng(0).standard_normal((1, cfg.hidden_size)).astype(np.float32)
-    E = bank.n_experts
+    K = cfg.num_experts_per_tok
 
     def moe_step():
-        ids = ((np.arange(cfg.num_experts_per_tok) + cfg.num_experts_per_tok * step["i"]) % E)[None]
+        i = step["i"]
         step["i"] += 1
+        bank = banks[i % len(banks)]
+        ids = ((np.arange(K) + K * (i // len(banks))) % bank.n_experts)[None]
         expert_ffn(x, ids, np.ones_like(ids, dtype=np.float32), bank, threads=T, streams=streams)
-    banks = engine.experts.host                                  # rotate layers so experts are fresh
     dense = [w for n, w in engine.model.w.items()                # what a decoded token multiplies (not the drafter)
              if len(w.shape) == 2 and n != "embed.weight" and not n.startswith("mtp.") and ".tid2eid" not in n]
     dense_bytes_rt = sum(w.nbytes for w in dense)                # as held: fp8 and BF16 as stored, the rest float32
     xs = [torch.randn(1, w.shape[1]) for w in dense]
+    copies, ref_note = rotation(dense_bytes_rt)
+    dense_sets = [dense] + [[held_copy(w) for w in dense] for _ in range(copies - 1)]
+    moe_span = sum(b.n_experts * b.expert_bytes for b in banks)
+    if moe_span < 4 * llc_bytes():
+        ref_note += (" " if ref_note else "") + (f"the MoE reference rotates over {moe_span / 2**20:.0f} MiB of banks, under 4x "
+                                               f"the total last-level cache ({llc_bytes() / 2**20:.0f} MiB): part of it is cache")
+    print(f"reference from DRAM: MoE steps over {len(banks)} banks ({moe_span / 2**20:.0f} MiB), the dense linears over {copies} "
+          f"cop{'y' if copies == 1 else 'ies'} ({copies * dense_bytes_rt / 2**20:.0f} MiB); LLC {llc_bytes() / 2**20:.0f} MiB"
+          + (f"; note: {ref_note}" if ref_note else ""))
+
+    def dense_pass():
+        ws = dense_sets[step["dense"] % len(dense_sets)]
+        step["dense"] += 1
+        return [linear(xx, w) for xx, w in zip(xs, ws)]
     routed_b, shared_b = fp.routed_bytes_per_decode_token, fp.bytes_by_class["shared_expert"]
     bytes_tok = fp.routed_bytes_per_decode_token + fp.dense_bytes_per_token
     rounds = []
@@ -145,8 +188,7 @@ def main(argv=None):
         replay = calls.replay_ratio(T, streams)
         stream = dram_stream_read(T, repeats=3)
         m = measure(moe_step, repeats=12, warmup=2)
-        md = measure(lambda: [linear(xx, w) for xx, w in zip(xs, dense)],
-                     repeats=10, warmup=2)
+        md = measure(dense_pass, repeats=max(10, 2 * len(dense_sets)), warmup=len(dense_sets))
         kernel_gbs = cfg.num_experts_per_tok * fp.expert_bytes / m.median / 1e9
         dense_gbs = dense_bytes_rt / md.median / 1e9
         t_kernel = routed_b / (kernel_gbs * 1e9) + shared_b / (kernel_gbs * 1e9) + dense_bytes_rt / (dense_gbs * 1e9)
@@ -165,7 +207,7 @@ def main(argv=None):
     # prefill roofline: one pass over every expert (all touched at this width), FLOP at the kernel's width rate
     n = max(1, args.prompt_tokens * cfg.num_experts_per_tok // cfg.n_routed_experts)
     xp = np.random.default_rng(1).standard_normal((n, cfg.hidden_size)).astype(np.float32)
-    mp = measure(lambda: expert_ffn(xp, np.zeros((n, 1), np.int64), np.ones((n, 1), np.float32), banks[1], threads=T, streams=streams),
+    mp = measure(lambda: expert_ffn(xp, np.zeros((n, 1), np.int64), np.ones((n, 1), np.float32), banks[1 % len(banks)], threads=T, streams=streams),
                  repeats=5, warmup=1)
     flops = 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * n / mp.median
     P, L, K = args.prompt_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok
@@ -184,6 +226,8 @@ def main(argv=None):
            "prefill_kernel_roofline_tok_s": kernel_roof, "prefill_kernel_ratio": prefill / kernel_roof,
            "stream_gbs": stream_gbs, "cpu_moe_kernel_gbs": kernel_gbs, "dense_gemv_gbs": dense_gbs,
            "bytes_per_token_footprint": bytes_tok, "dense_bytes_runtime": dense_bytes_rt, "cpu_moe_streams": streams,
+           "reference": {"moe_banks": len(banks), "moe_rotation_bytes": moe_span, "dense_copies": copies,
+                         "dense_rotation_bytes": copies * dense_bytes_rt, "llc_bytes": llc_bytes(), "note": ref_note},
            "prefill_bound": "flop" if t_flop > t_bytes else "bytes", "threads": T,
            "phases_per_token_s": {k: v / (args.max_tokens - 1) for k, v in last.items() if not k.endswith("_us")},
            "outside_phases_per_layer_us": last["outside_phases_per_layer_us"],

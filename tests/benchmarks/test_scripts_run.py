@@ -23,9 +23,59 @@ def test_decode_roofline_runs_to_the_end_on_tiny_and_one_core(tiny_dir):
               "cpu_moe_kernel_gbs", "dense_gemv_gbs", "matmul_peak_gflops"):
         assert math.isfinite(out[k]) and out[k] > 0, (k, out[k])
     assert "of their speed replayed alone" in p.stdout
+    ref = out["reference"]                     # from DRAM unless the 128 MiB budget keeps it under 4x the LLC, said
+    assert "reference from DRAM: MoE steps over" in p.stdout and ref["moe_banks"] >= 1 and ref["dense_copies"] >= 1
+    assert ref["dense_rotation_bytes"] == ref["dense_copies"] * out["dense_bytes_runtime"]
+    assert (ref["dense_rotation_bytes"] < 4 * ref["llc_bytes"]) == ("the dense reference rotates" in ref["note"]), ref
+    assert (ref["moe_rotation_bytes"] < 4 * ref["llc_bytes"]) == ("the MoE reference rotates" in ref["note"]), ref
 
 
 def test_decode_roofline_refuses_a_run_with_no_decode_step(tiny_dir):
     p = subprocess.run([sys.executable, str(SCRIPTS / "decode_roofline.py"), "--checkpoint", str(tiny_dir), "--max-tokens", "1"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--max-tokens 1: at least 2" in p.stderr, p.stderr[-2000:]
+
+
+def _decode_roofline():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("decode_roofline", SCRIPTS / "decode_roofline.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_decode_roofline_times_its_dense_reference_beyond_the_cache(monkeypatch):
+    """The kernel-bound rate's dense linears rotate over copies until the rotation spans 4x the total LLC
+    (in the engine every layer's MoE read evicts them); where the probe budget cannot hold that many,
+    the copies it can hold and a note saying part of the figure is cache."""
+    dr = _decode_roofline()
+    monkeypatch.setenv("DSV41_LLC_MIB", "8")
+    monkeypatch.setenv("DSV41_PROBE_MIB", "64")
+    mib = 2**20
+    assert dr.rotation(1 * mib) == (32, "")                    # 4 x 8 MiB over 1 MiB copies
+    assert dr.rotation(10 * mib) == (4, "")                    # ceil(32 / 10)
+    assert dr.rotation(40 * mib) == (1, "")                    # one pass already spans 4x the LLC
+    monkeypatch.setenv("DSV41_PROBE_MIB", "16")
+    copies, note = dr.rotation(10 * mib)                       # the budget holds one copy, not four
+    assert copies == 1 and "keeps it under 4x the total last-level cache (8 MiB)" in note, note
+
+
+def test_decode_roofline_copies_compute_what_the_held_weights_do():
+    """The reference's copies are fresh arrays with the held weights' bytes: the same outputs, bit for bit."""
+    import numpy as np
+    import torch
+    from kernels.bf16_dense import Bf16Weight
+    from kernels.fp8_dense import Fp8Weight
+    from runtime.model.weights import linear
+    dr = _decode_roofline()
+    rng = np.random.default_rng(0)
+    held = [Fp8Weight(rng.integers(0, 126, (64, 256), dtype=np.uint8), rng.integers(120, 130, (2, 8), dtype=np.uint8), (32, 32)),
+            Bf16Weight.from_tensor(torch.randn(48, 256).to(torch.bfloat16)), torch.randn(40, 256)]
+    x = torch.randn(1, 256)
+    for w in held:
+        c = dr.held_copy(w)
+        assert type(c) is type(w) and c is not w
+        for a, b in ((c.q, w.q), (c.scale, w.scale)) if isinstance(w, Fp8Weight) else \
+                ((c.bits, w.bits),) if isinstance(w, Bf16Weight) else ((c, w),):
+            assert not np.shares_memory(np.asarray(a), np.asarray(b))
+        assert torch.equal(linear(x, c), linear(x, w))
