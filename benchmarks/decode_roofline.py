@@ -82,17 +82,23 @@ class MoeCalls:
         return ratio
 
 
+MAX_COPIES = 64     # a working set that needs more (tiny's: ~0.2 MB) is call-bound, not read from DRAM
+
+
 def rotation(nbytes: int) -> tuple[int, str]:
     """-> (copies, note): how many copies of an `nbytes` working set a rotation needs to span 4x the total
-    LLC (each read then comes from DRAM), within the probe budget; the note says when that keeps it under."""
+    LLC (each read then comes from DRAM), within the probe budget and MAX_COPIES; the note says when
+    either keeps it under."""
     llc, cap = llc_bytes(), probe_budget_bytes()
     want = max(1, math.ceil(4 * llc / max(nbytes, 1)))
-    copies = max(1, min(want, cap // max(nbytes, 1)))
+    fit = max(1, cap // max(nbytes, 1))
+    copies = min(want, fit, MAX_COPIES)
     if copies >= want:
         return copies, ""
-    return copies, (f"the dense reference rotates over {copies * nbytes / 2**20:.0f} MiB: the probe memory budget "
-                    f"({cap / 2**20:.0f} MiB) keeps it under 4x the total last-level cache ({llc / 2**20:.0f} MiB), so part "
-                    f"of it is cache")
+    why = (f"the probe memory budget ({cap / 2**20:.0f} MiB)" if fit < min(want, MAX_COPIES)
+           else f"at most {MAX_COPIES} copies")
+    return copies, (f"the dense reference rotates over {copies * nbytes / 2**20:.0f} MiB: {why} keeps it under 4x the "
+                    f"total last-level cache ({llc / 2**20:.0f} MiB), so part of it is cache")
 
 
 def held_copy(w):

@@ -57,7 +57,10 @@ def test_decode_roofline_times_its_dense_reference_beyond_the_cache(monkeypatch)
     assert dr.rotation(40 * mib) == (1, "")                    # one pass already spans 4x the LLC
     monkeypatch.setenv("DSV41_PROBE_MIB", "16")
     copies, note = dr.rotation(10 * mib)                       # the budget holds one copy, not four
-    assert copies == 1 and "keeps it under 4x the total last-level cache (8 MiB)" in note, note
+    assert copies == 1 and "the probe memory budget (16 MiB) keeps it under 4x the total last-level cache (8 MiB)" in note, note
+    monkeypatch.setenv("DSV41_PROBE_MIB", "1024")
+    copies, note = dr.rotation(mib // 8)                       # 256 copies wanted: a call-bound working set
+    assert copies == dr.MAX_COPIES and f"at most {dr.MAX_COPIES} copies keeps it under" in note, note
 
 
 def test_decode_roofline_copies_compute_what_the_held_weights_do():
