@@ -14,6 +14,9 @@ float, then matmul) and prefill widths (tokens per expert) for the GEMV kernel a
 Each width is also held against the products' roof: the host's int8 dot-product peak at the kernel's
 instruction mix, measured in the run (kernels/int8_peak.py), times the step's distinct expert bytes
 per product (3 * H * I per assignment): a wide call cannot read faster than min(stream, that roof).
+With rows in order, widths 2-8 and the prefill GEMV run with each choice of inputs per row decode (4
+or 8, kernels/cpu_moe.py ROW_INPUTS; the same bits), interleaved: the faster is the width's figure (as
+the profiler picks it) and the other is printed beside it.
 kernel GB/s = expert bytes moved / time. With --json the last line is one JSON object.
 """
 from __future__ import annotations
@@ -33,7 +36,7 @@ from hostinfo import llc_bytes, usable_cores  # noqa: E402
 from hostinfo.measure import Measurement, measure  # noqa: E402
 from kernels.stream import dram_stream_read  # noqa: E402
 from kernels.int8_peak import measure_peak  # noqa: E402
-from kernels.cpu_moe import ISA, MODE, Fp4Bank, dequant_experts, expert_ffn, expert_ffn_dense  # noqa: E402
+from kernels.cpu_moe import DEFAULT_INPUTS, ISA, MODE, ROW_INPUTS, Fp4Bank, dequant_experts, expert_ffn, expert_ffn_dense  # noqa: E402
 
 GEOMETRIES = {"v4.1": (5120, 2304), "v4-flash": (4096, 2048), "small": (2048, 768)}
 
@@ -46,7 +49,7 @@ def bank_for(H, I, seed=0):
     return Fp4Bank.random(n, H, I, seed=seed)
 
 
-def decode_step(bank, T=1, pool=None, streams=4):
+def decode_step(bank, T=1, pool=None, streams=4, inputs=DEFAULT_INPUTS):
     """A closure that runs one step on fresh experts each call; returns (fn, bytes per step)."""
     rng = np.random.default_rng(0)
     state = {"i": 0}
@@ -67,7 +70,7 @@ def decode_step(bank, T=1, pool=None, streams=4):
         state["i"] += 1
         fn.bytes = len(np.unique(ids)) * bank.expert_bytes
         fn.macs = ids.size * 3 * bank.hidden * bank.inter          # int8 products: gate/up H x 2I, down I x H
-        expert_ffn(x, ids, w, bank, streams=streams)
+        expert_ffn(x, ids, w, bank, streams=streams, inputs=inputs)
     fn.bytes = fn.macs = 0
     return fn
 
@@ -138,12 +141,18 @@ def main(argv=None):
             print(f"int8 products at the kernel's mix, {t} threads: {peak.median / 1e9:.0f} GMAC/s "
                   f"(spread {peak.min / 1e9:.0f}-{peak.max / 1e9:.0f})" if peak else
                   "the scalar path has no int8 SIMD products: widths are shown against the stream only", flush=True)
+            lay = layouts[(name, t)]
+            choices = ROW_INPUTS if lay == 1 else (DEFAULT_INPUTS,)    # inputs per row decode: rows in order only
             for W in (2, 4, 6, 8):                            # DSpark verify / continuous batching widths
                 for pool, what in ((10, "verify: experts from a pool of 10"), (bank.n_experts, "batch: independent tokens")):
-                    ver = decode_step(bank, T=W, pool=pool, streams=layouts[(name, t)])
-                    m = measure(ver, repeats=max(4, steps // 2), warmup=2)
-                    r = row(geometry=name, shape=f"{H}x{I}", tokens=W, threads=t, kernel_gbs=gbs(m, ver.bytes),
-                            stream_gbs=round(s_med, 3), pool=pool, note=f"{W}-token {what} (GB/s of distinct experts)")
+                    vers = {n: decode_step(bank, T=W, pool=pool, streams=lay, inputs=n) for n in choices}
+                    ms = dict(zip(choices, interleaved([lambda k, v=v: gbs(measure(v, repeats=k, warmup=2), v.bytes)
+                                                        for v in vers.values()], rounds, max(4, steps // 2))))
+                    best = max(choices, key=lambda n: ms[n].median)
+                    ver = vers[best]
+                    r = row(geometry=name, shape=f"{H}x{I}", tokens=W, threads=t, kernel_gbs=ms[best], inputs=best,
+                            stream_gbs=round(s_med, 3), pool=pool, note=f"{W}-token {what} (GB/s of distinct experts)",
+                            **{f"inputs_{n}_gbs": ms[n] for n in choices if n != best})
                     r["ratio"] = round(r["kernel_gbs"] / s_med, 3)
                     roof = ""
                     if peak:                                  # GB/s of distinct bytes the products allow
@@ -151,8 +160,9 @@ def main(argv=None):
                         r["roof_ratio"] = round(r["kernel_gbs"] / min(s_med, r["compute_roof_gbs"]), 3)
                         roof = f"  (products' roof {r['compute_roof_gbs']:.1f} GB/s; of min(stream, roof) {r['roof_ratio']:.2f})"
                     rows.append(r)
+                    others = "".join(f"; {n}: {ms[n].median:.2f} GB/s" for n in choices if n != best)
                     print(f"{name:9s} width {W} {'verify' if pool == 10 else 'batch ':6s} threads {t}: kernel {r['kernel_gbs']:6.2f} GB/s"
-                          f"  ratio {r['ratio']:.2f}{roof}", flush=True)
+                          f"  ratio {r['ratio']:.2f}{roof}  [inputs per row decode {best}{others}]", flush=True)
             # naive baseline: torch dequantize to float then matmul, one token x 6 experts
             x = torch.randn(1, H)
             def naive(state={"i": 0}):
@@ -173,8 +183,9 @@ def main(argv=None):
                 ids = np.zeros((n, 1), np.int64)
                 w = np.ones((n, 1), np.float32)
                 flop = 2 * 3 * H * I * n
-                lay = layouts[(name, t)]
-                for path, fn in (("gemv", lambda: expert_ffn(xs, ids, w, bank, streams=lay)), ("dense", lambda: expert_ffn_dense(xs, ids, w, bank))):
+                fns = [(f"gemv{n}" if len(choices) > 1 else "gemv", lambda n=n: expert_ffn(xs, ids, w, bank, streams=lay, inputs=n))
+                       for n in choices]
+                for path, fn in fns + [("dense", lambda: expert_ffn_dense(xs, ids, w, bank))]:
                     m = measure(fn, repeats=max(3, steps // 4), warmup=1)
                     r = row(geometry=name, shape=f"{H}x{I}", tokens=n, threads=t, path=path,
                             kernel_gbs=gbs(m, bank.expert_bytes), gflops=m.map(lambda s: flop / s / 1e9, "GFLOP/s"),

@@ -2,8 +2,8 @@
 
   python benchmarks/decode_roofline.py [--checkpoint out/mini] [--prompt-tokens 256] [--max-tokens 24] [--rounds 3] [--json]
 
-decode: plan `cpu`, all threads, the CPU-MoE row layout the tuner would pick here (both timed on the
-checkpoint's bank; `--streams` forces one), warm. Rooflines:
+decode: plan `cpu`, all threads, the CPU-MoE row layout and inputs per row decode the tuner would pick
+here (each timed on the checkpoint's bank; `--streams` and `--inputs` force one), warm. Rooflines:
   roofline        = DRAM stream read (this run) / bytes per decoded token from the footprint
                     (routed experts K*L*expert + shared + dense/attention + head, as stored)
   kernel-bound    = 1 / sum over phases of (that phase's bytes per token / its kernel's GB/s), each
@@ -45,7 +45,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hostinfo import llc_bytes, probe_budget_bytes, usable_cores  # noqa: E402
-from autotune.probes.cpu_moe import row_streams  # noqa: E402
+from autotune.probes.cpu_moe import row_inputs, row_streams  # noqa: E402
 from hostinfo.measure import measure  # noqa: E402
 from kernels.stream import dram_stream_read  # noqa: E402
 from kernels.bf16_dense import Bf16Weight  # noqa: E402
@@ -128,6 +128,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=usable_cores())
     ap.add_argument("--streams", default="measured", choices=["measured", "1", "4"],
                     help="the CPU-MoE row layout (Plan.cpu_moe_streams); measured: the faster here, as the tuner picks it")
+    ap.add_argument("--inputs", default="measured", choices=["measured", "4", "8"],
+                    help="the CPU-MoE inputs per row decode (Plan.cpu_moe_inputs; rows in order only); measured: as the tuner picks it")
     ap.add_argument("--rounds", type=int, default=3, help="engine runs, each followed by its limits (stream, kernels)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -149,9 +151,13 @@ def main(argv=None):
         print("row layout: " + ", ".join(f"{k} stream(s) {v.median:.1f} GB/s" for k, v in by.items()) + f" -> {streams}")
     else:
         streams = int(args.streams)
-    if streams != plan.cpu_moe_streams:
+    inputs = int(args.inputs) if args.inputs != "measured" else plan.cpu_moe_inputs
+    if args.inputs == "measured" and streams == 1:
+        inputs, by = row_inputs(engine.experts.host[0], T, cfg.num_experts_per_tok)
+        print("inputs per row decode (8-token verify): " + ", ".join(f"{k}: {v.median:.1f} GB/s" for k, v in by.items()) + f" -> {inputs}")
+    if (streams, inputs) != (plan.cpu_moe_streams, plan.cpu_moe_inputs):
         engine.close()
-        plan = plan.replace(cpu_moe_streams=streams)
+        plan = plan.replace(cpu_moe_streams=streams, cpu_moe_inputs=inputs)
         engine = Engine(ck, plan)
     engine.generate(prompt, 4)                                   # warm: compile, page in
     # --- standalone kernels, interleaved with the engine's runs: round i's ratios divide by round i's limits
@@ -213,7 +219,8 @@ def main(argv=None):
     # prefill roofline: one pass over every expert (all touched at this width), FLOP at the kernel's width rate
     n = max(1, args.prompt_tokens * cfg.num_experts_per_tok // cfg.n_routed_experts)
     xp = np.random.default_rng(1).standard_normal((n, cfg.hidden_size)).astype(np.float32)
-    mp = measure(lambda: expert_ffn(xp, np.zeros((n, 1), np.int64), np.ones((n, 1), np.float32), banks[1 % len(banks)], threads=T, streams=streams),
+    mp = measure(lambda: expert_ffn(xp, np.zeros((n, 1), np.int64), np.ones((n, 1), np.float32), banks[1 % len(banks)], threads=T, streams=streams,
+                                      inputs=inputs),
                  repeats=5, warmup=1)
     flops = 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * n / mp.median
     P, L, K = args.prompt_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok
@@ -232,6 +239,7 @@ def main(argv=None):
            "prefill_kernel_roofline_tok_s": kernel_roof, "prefill_kernel_ratio": prefill / kernel_roof,
            "stream_gbs": stream_gbs, "cpu_moe_kernel_gbs": kernel_gbs, "dense_gemv_gbs": dense_gbs,
            "bytes_per_token_footprint": bytes_tok, "dense_bytes_runtime": dense_bytes_rt, "cpu_moe_streams": streams,
+           "cpu_moe_inputs": inputs,
            "reference": {"moe_banks": len(banks), "moe_rotation_bytes": moe_span, "dense_copies": copies,
                          "dense_rotation_bytes": copies * dense_bytes_rt, "llc_bytes": llc_bytes(), "note": ref_note},
            "prefill_bound": "flop" if t_flop > t_bytes else "bytes", "threads": T,

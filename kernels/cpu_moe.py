@@ -45,6 +45,8 @@ CACHE = "DSV41_CPU_ISA" not in os.environ or ISA_CACHE
 ROWS_PER_CHUNK = 64          # rows per parallel work item (multiple of 4)
 ROW_STREAMS = (1, 4)         # DRAM streams a thread reads at once: rows in order, or 4 rows a quarter-chunk apart
 DEFAULT_STREAMS = 1          # where nothing was measured: rows in order won on 3 of the 4 hosts measured (kernels/lab/README.md)
+ROW_INPUTS = (4, 8)          # the most inputs one row decode serves with rows in order (4 rows apart: always 4)
+DEFAULT_INPUTS = 4           # where nothing was measured: 8 won on the Emerald Rapids VM, 4 on the Zen 4 VM (`_rows`)
 DENSE_MIN_TOKENS = 256       # tokens per expert from which dequantize + torch matmul may win (measured here: the
                              # GEMV kernel is still ahead at 256 without AMX; on AMX hosts re-measure)
 
@@ -245,12 +247,13 @@ def _deq_scalar(codes, c_off, scales, s_off, stab, ng, out, o_off):
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _matvecs(codes, scales, experts, off, xq, xc, xr, out, streams):
+def _matvecs(codes, scales, experts, off, xq, xc, xr, out, streams, inputs):
     """out[a, r] = W_{experts[s]}[r] . x(a) for assignments a of slot s (off[s] <= a < off[s+1]);
     inputs prepared by `_prepare` (xq [A, K], xc and xr [A, K/8]), out [A, N]. streams (ROW_STREAMS):
     4 reads rows r, r+q, r+2q, r+3q of a chunk together (4 DRAM streams per thread), 1 reads them in
     order (one stream); which is faster is a fact of the host (the profiler measures both). Each row's
-    arithmetic is the same either way: the outputs are bit-identical."""
+    arithmetic is the same either way: the outputs are bit-identical. inputs (ROW_INPUTS): the most
+    inputs one row decode serves with rows in order; the same bits either way too."""
     S = len(experts)
     N = out.shape[1]
     K = xq.shape[1]
@@ -265,28 +268,67 @@ def _matvecs(codes, scales, experts, off, xq, xc, xr, out, streams):
         r0 = (c % per) * ROWS_PER_CHUNK
         r1 = min(r0 + ROWS_PER_CHUNK, N)
         e = experts[s]
-        if streams == 1:
+        if streams == 1 and inputs == 8:
             for r in range(r0, r1):
-                _rows(1, cf, (e * N + r) * c_row, 0, sf, (e * N + r) * s_row, 0, qf, cxf, rf, off[s], off[s + 1], K, of, r, N, 0)
+                _rows(1, 8, cf, (e * N + r) * c_row, 0, sf, (e * N + r) * s_row, 0, qf, cxf, rf, off[s], off[s + 1], K, of, r, N, 0)
+        elif streams == 1:
+            for r in range(r0, r1):
+                _rows(1, 4, cf, (e * N + r) * c_row, 0, sf, (e * N + r) * s_row, 0, qf, cxf, rf, off[s], off[s + 1], K, of, r, N, 0)
         else:
             q = (r1 - r0) // 4                             # N is a multiple of 32: whole 4-row blocks
             for r in range(r0, r0 + q):                    # rows r, r+q, r+2q, r+3q: 4 DRAM streams
-                _rows(4, cf, (e * N + r) * c_row, q * c_row, sf, (e * N + r) * s_row, q * s_row, qf, cxf, rf, off[s], off[s + 1],
+                _rows(4, 4, cf, (e * N + r) * c_row, q * c_row, sf, (e * N + r) * s_row, q * s_row, qf, cxf, rf, off[s], off[s + 1],
                       K, of, r, N, q)
 
 
-def _rows(R, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j0, j1, K, of, r, N, or_stride):
-    """R rows (c_stride apart) against inputs j0..j1-1, in blocks of 4 inputs sharing each row decode."""
+def _rows(R, B, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j0, j1, K, of, r, N, or_stride):
+    """R rows (c_stride apart) against inputs j0..j1-1, in blocks of up to B (4 or 8) inputs sharing each
+    row decode. Each input's sum is the same whatever block it is in. Which B is faster is a fact of the
+    host, measured by the profiler (`Plan.cpu_moe_inputs`). Emerald Rapids VM (AVX-512 VNNI), rows in
+    order, `benchmarks/cpu_moe.py --quick`, 6 alternating pairs of processes, B = 8 against 4: width-8
+    verify 16.1 against 13.3 GB/s of distinct expert bytes (median; ahead in 6 of 6), prefill n = 16 / 64
+    280 / 301 against 234 / 266 GFLOP/s, batch 1 alike (26.0 against 26.4 GB/s, inside the spread); on
+    the Zen 4 VM up to 8 was equal or slower (kernels/lab/README.md)."""
     raise NotImplementedError("numba-only")
 
 
 @overload(_rows, prefer_literal=True, inline="always")
-def _ov_rows(R, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j0, j1, K, of, r, N, or_stride):
-    if not isinstance(R, types.IntegerLiteral):
+def _ov_rows(R, B, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j0, j1, K, of, r, N, or_stride):
+    if not (isinstance(R, types.IntegerLiteral) and isinstance(B, types.IntegerLiteral)):
         return None
     n = R.literal_value
 
-    def rows(R, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j0, j1, K, of, r, N, or_stride):
+    def rows8(R, B, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j0, j1, K, of, r, N, or_stride):
+        j = j0
+        while j < j1:
+            o_off = j * N + r
+            left = j1 - j
+            if left >= 8:
+                _dot(n, 8, MODE, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j, K, of, o_off, N, or_stride)
+                j += 8
+            elif left == 7:
+                _dot(n, 7, MODE, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j, K, of, o_off, N, or_stride)
+                j += 7
+            elif left == 6:
+                _dot(n, 6, MODE, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j, K, of, o_off, N, or_stride)
+                j += 6
+            elif left == 5:
+                _dot(n, 5, MODE, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j, K, of, o_off, N, or_stride)
+                j += 5
+            elif left == 4:
+                _dot(n, 4, MODE, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j, K, of, o_off, N, or_stride)
+                j += 4
+            elif left == 3:
+                _dot(n, 3, MODE, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j, K, of, o_off, N, or_stride)
+                j += 3
+            elif left == 2:
+                _dot(n, 2, MODE, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j, K, of, o_off, N, or_stride)
+                j += 2
+            else:
+                _dot(n, 1, MODE, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j, K, of, o_off, N, or_stride)
+                j += 1
+
+    def rows(R, B, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j0, j1, K, of, r, N, or_stride):
         j = j0
         while j < j1:
             o_off = j * N + r
@@ -303,7 +345,7 @@ def _ov_rows(R, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j0, j1, K
             else:
                 _dot(n, 1, MODE, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j, K, of, o_off, N, or_stride)
                 j += 1
-    return rows
+    return rows8 if B.literal_value == 8 else rows
 
 
 @njit(nogil=True, cache=CACHE, inline="always")
@@ -392,9 +434,10 @@ def _combine(y, tok, kk, wts, out):
 
 
 def expert_ffn(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, bank: Fp4Bank, threads: int | None = None,
-               out: np.ndarray | None = None, streams: int = DEFAULT_STREAMS) -> np.ndarray:
+               out: np.ndarray | None = None, streams: int = DEFAULT_STREAMS, inputs: int = DEFAULT_INPUTS) -> np.ndarray:
     """x [T, H] f32, ids [T, K] int64 (bank rows; duplicates allowed; -1 = none, skipped), wts [T, K] f32
-    -> y [T, H] f32. streams: DRAM streams per thread (ROW_STREAMS; the same bits either way).
+    -> y [T, H] f32. streams: DRAM streams per thread (ROW_STREAMS); inputs: the most inputs a row decode
+    serves with rows in order (ROW_INPUTS); the same bits for every choice of either.
     With `out`, the result is added into it."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     ids = np.ascontiguousarray(ids, dtype=np.int64)
@@ -411,11 +454,13 @@ def expert_ffn(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, bank: Fp4Bank, t
     h = np.empty((len(tok), 2 * bank.inter), np.float32)           # [A, 2I]
     if streams not in ROW_STREAMS:
         raise ValueError(f"expert_ffn: streams must be one of {ROW_STREAMS}, got {streams}")
-    _matvecs(bank.w13_codes, bank.w13_scales, experts, off, xq, xc, xr, h, streams)
+    if inputs not in ROW_INPUTS:
+        raise ValueError(f"expert_ffn: inputs must be one of {ROW_INPUTS}, got {inputs}")
+    _matvecs(bank.w13_codes, bank.w13_scales, experts, off, xq, xc, xr, h, streams, inputs)
     a = _swiglu(h, bank.inter)                                     # [A, I]
     aq, ac, ar = _prepare(a, np.arange(len(tok)))
     d = np.empty((len(tok), H), np.float32)                        # [A, H]
-    _matvecs(bank.w2_codes, bank.w2_scales, experts, off, aq, ac, ar, d, streams)
+    _matvecs(bank.w2_codes, bank.w2_scales, experts, off, aq, ac, ar, d, streams, inputs)
     _combine(d, tok, kk, wts, y)
     return y
 

@@ -33,6 +33,8 @@ class Plan:
     cpu_threads: int = 0                  # CPU-MoE threads; 0 = one per physical core
     cpu_moe_streams: int = 1              # DRAM streams per CPU-MoE thread: 1 (rows in order) | 4 (four rows apart); exact.
                                           # The default where the host was not measured (kernels/cpu_moe.py DEFAULT_STREAMS)
+    cpu_moe_inputs: int = 4               # the most inputs one CPU-MoE row decode serves: 4 | 8 (rows in order only); exact.
+                                          # The default where the host was not measured (kernels/cpu_moe.py DEFAULT_INPUTS)
     host_expert_budget_gib: float | None = None   # routed experts kept in host RAM; None = all; the rest on NVMe
     expert_nvme_path: str = "nvme_direct"  # experts beyond the budget: O_DIRECT batched reads | nvme_mmap: page cache
     prefill_chunk: int = 512              # prompt tokens per prefill chunk
@@ -63,6 +65,10 @@ class Plan:
                 bad(name, f"must be one of {allowed}, got {getattr(self, name)!r}")
         if self.cpu_moe_streams not in (1, 4):
             bad("cpu_moe_streams", f"must be 1 or 4, got {self.cpu_moe_streams}")
+        if self.cpu_moe_inputs not in (4, 8):
+            bad("cpu_moe_inputs", f"must be 4 or 8, got {self.cpu_moe_inputs}")
+        if self.cpu_moe_inputs == 8 and self.cpu_moe_streams != 1:
+            bad("cpu_moe_inputs", "8 needs cpu_moe_streams = 1 (rows in order); four rows apart always decode for 4 inputs")
         if not 0.0 <= self.fetch_fraction <= 1.0:
             bad("fetch_fraction", f"must be in [0, 1], got {self.fetch_fraction}")
         for name in ("slot_cache_experts", "cpu_threads", "prefill_buffer_mib", "engram_row_cache_mib"):

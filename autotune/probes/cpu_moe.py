@@ -14,7 +14,7 @@ import numpy as np
 
 from hostinfo import llc_bytes, probe_budget_bytes
 from hostinfo.measure import Measurement, measure
-from kernels.cpu_moe import ROW_STREAMS, Fp4Bank, expert_ffn
+from kernels.cpu_moe import DEFAULT_INPUTS, ROW_INPUTS, ROW_STREAMS, Fp4Bank, expert_ffn
 
 # name -> (hidden, expert intermediate, top_k): the served geometries every profile carries
 GEOMETRIES = {"deepseek-v4.1-flash": (5120, 2304, 6), "deepseek-v4-flash": (4096, 2048, 6)}
@@ -52,7 +52,7 @@ def random_bank(H: int, I: int, top_k: int, seed: int = 0, budget: int | None = 
 
 
 def cpu_moe(bank: Fp4Bank, tokens: int, threads: int, top_k: int, repeats: int = 10, note: str = "",
-            streams: int = 4) -> Measurement:
+            streams: int = 4, inputs: int = DEFAULT_INPUTS) -> Measurement:
     """tokens == 1: decode (top_k fresh experts); 2..8: a verify batch whose experts overlap (drawn
     from 2*top_k); > 8: a prefill width (all tokens on one expert per step)."""
     H, E = bank.hidden, bank.n_experts
@@ -76,13 +76,14 @@ def cpu_moe(bank: Fp4Bank, tokens: int, threads: int, top_k: int, repeats: int =
         i = state["i"] % len(plans)
         state["i"] += 1
         ids = plans[i]
-        expert_ffn(x, ids, np.ones(ids.shape, np.float32), bank, threads=threads, streams=streams)
+        expert_ffn(x, ids, np.ones(ids.shape, np.float32), bank, threads=threads, streams=streams, inputs=inputs)
     m = measure(step, repeats=repeats, warmup=2)
     nbytes = float(np.mean(sizes))
     k = plans[0].shape[1]
     flop = 2 * 3 * H * bank.inter * tokens * k
     g = Measurement(m.map(lambda s: nbytes / s / 1e9, "GB/s").samples, "GB/s", note=note,
-                    extra={"gflops": flop / m.median / 1e9, "bank_experts": E, "top_k": top_k, "streams": streams})
+                    extra={"gflops": flop / m.median / 1e9, "bank_experts": E, "top_k": top_k, "streams": streams,
+                           "inputs": inputs})
     return g
 
 
@@ -95,3 +96,16 @@ def row_streams(bank: Fp4Bank, threads: int, top_k: int, rounds: int = 5, note: 
             samples[s] += cpu_moe(bank, 1, threads, top_k, repeats=repeats, note=note, streams=s).samples
     best = max(ROW_STREAMS, key=lambda s: float(np.median(samples[s])))
     return best, {s: Measurement(tuple(v), "GB/s", note=note) for s, v in samples.items()}
+
+
+def row_inputs(bank: Fp4Bank, threads: int, top_k: int, rounds: int = 5, note: str = "", repeats: int = 3,
+               tokens: int = 8) -> tuple[int, dict]:
+    """How many inputs one row decode should serve (kernels/cpu_moe.py ROW_INPUTS) on this host, rows in
+    order: a verify batch of `tokens` (GB/s of distinct expert bytes), every choice once per round.
+    -> (the faster one, {inputs: samples})."""
+    samples = {n: [] for n in ROW_INPUTS}
+    for _ in range(rounds):
+        for n in ROW_INPUTS:
+            samples[n] += cpu_moe(bank, tokens, threads, top_k, repeats=repeats, note=note, streams=1, inputs=n).samples
+    best = max(ROW_INPUTS, key=lambda n: float(np.median(samples[n])))
+    return best, {n: Measurement(tuple(v), "GB/s", note=note) for n, v in samples.items()}

@@ -135,6 +135,20 @@ def test_the_row_layout_comes_from_the_hosts_measurement(epyc, v41):
     assert res and all(p.cpu_moe_streams == Plan.cpu_moe_streams for p, _ in res)
 
 
+def test_the_inputs_per_row_decode_come_from_the_hosts_measurement(epyc, v41):
+    """cpu_moe_inputs is a measured fact of the host too: every plan carries the faster choice; a profile
+    without the probe keeps the kernel's default."""
+    one = copy.deepcopy(epyc)
+    other = 12 - Plan.cpu_moe_inputs                                   # the choice that is not the default (4 <-> 8)
+    one["measurements"]["cpu_moe_inputs"] = {"best": other, "geometry": "5120x2304", "threads": 2, "tokens": 8, "gbs": {}}
+    _, res = search(one, v41, Workload(1024, 64), n_trials=40)
+    assert res and all(p.cpu_moe_inputs == other for p, _ in res)
+    epyc_plain = copy.deepcopy(epyc)
+    epyc_plain["measurements"].pop("cpu_moe_inputs", None)
+    _, res = search(epyc_plain, v41, Workload(1024, 64), n_trials=20)
+    assert res and all(p.cpu_moe_inputs == Plan.cpu_moe_inputs for p, _ in res)
+
+
 def _engine_curve(profile, fast):
     """Random-read figures at every depth, each engine measured, `fast(qd)` twice the others."""
     one = copy.deepcopy(profile)
@@ -305,6 +319,10 @@ def test_plan_roundtrip_and_errors(tmp_path):
         Plan(moe_strategy="gpu")
     with pytest.raises(PlanError, match="unknown plan field 'chunk'"):
         Plan.from_dict({"chunk": 4})
+    with pytest.raises(PlanError, match="'cpu_moe_inputs' must be 4 or 8"):
+        Plan(cpu_moe_inputs=6)
+    with pytest.raises(PlanError, match="'cpu_moe_inputs' 8 needs cpu_moe_streams = 1"):    # a choice that would not act
+        Plan(cpu_moe_inputs=8, cpu_moe_streams=4)
     prof = {"host": {"hard": {}}, "plan": plan.to_dict()}
     (tmp_path / "p.json").write_text(json.dumps(prof))
     assert Plan.load(tmp_path / "p.json") == plan

@@ -35,6 +35,13 @@ def test_quick_profile_is_complete_and_valid(quick_profile, tiny_dir):
     assert lay["geometry"] == "5120x2304" and set(lay["gbs"]) == {"1", "4"}
     assert lay["best"] == max((1, 4), key=lambda s: lay["gbs"][str(s)]["median"])
     assert all(e["extra"]["streams"] == lay["best"] for e in m["cpu_moe_gbs"] if "extra" in e)
+    if lay["best"] == 1:                                # rows in order: inputs per row decode, measured the same way
+        blk = m["cpu_moe_inputs"]
+        assert blk["geometry"] == "5120x2304" and blk["tokens"] == 8 and set(blk["gbs"]) == {"4", "8"}
+        assert blk["best"] == max((4, 8), key=lambda n: blk["gbs"][str(n)]["median"])
+        assert all(e["extra"]["inputs"] == blk["best"] for e in m["cpu_moe_gbs"] if "extra" in e)
+    else:                                               # four rows apart always decode for 4 inputs
+        assert "cpu_moe_inputs" not in m and all(e["extra"]["inputs"] == 4 for e in m["cpu_moe_gbs"] if "extra" in e)
     for k in ("pcie_h2d_gbs", "pcie_gather_gbs"):
         assert "skipped" in m[k] or m[k]["median"] > 0  # never a zero
     qds = [e["qd"] for e in m["nvme_randread_4k"]]

@@ -49,7 +49,7 @@ def _check(y, ref, rtol=RTOL):
     ("duplicate-experts", 6, 128, 64, 5, 3, True),
     ("one-expert-bank", 1, 64, 32, 2, 1, False),
     ("superblocks-and-tails", 6, 1024, 576, 3, 2, False),       # rows of 2 superblocks; 1 + a 32-byte tail
-    ("superblock-verify", 8, 640, 320, 7, 3, False),            # 1 superblock + a 64-byte vector; 7 = 4 + 3 inputs
+    ("superblock-verify", 8, 640, 320, 7, 3, False),            # 1 superblock + a 64-byte vector; up to 7 inputs a row
     ("superblock-wide", 3, 640, 320, 13, 2, False),             # 13 tokens on 3 experts: several blocks of inputs per row
 ])
 def test_expert_ffn_matches_reference(name, E, H, I, T, K, dup):
@@ -72,13 +72,15 @@ bank = Fp4Bank.random(4, 256, 128, seed=4)
 rng = np.random.default_rng(0)
 x = rng.standard_normal((16, 256)).astype(np.float32)
 ids = rng.integers(0, 4, (16, 6)); w = rng.random((16, 6)).astype(np.float32)
-np.save(sys.argv[1], np.stack([expert_ffn(x, ids, w, bank, threads=t, streams=s) for t in (1, 3, 4) for s in (4, 1)]))
+np.save(sys.argv[1], np.stack([expert_ffn(x, ids, w, bank, threads=t, streams=s, inputs=n)
+                               for t in (1, 3, 4) for s, n in ((4, 4), (1, 4), (1, 8))]))
 """
 
 
 def test_bit_identical_for_any_thread_count(tmp_path):
     """1, 3 and 4 threads (numba runs 4 threads on any host, one core included), each row layout
-    (one DRAM stream per thread or four), give the same bits."""
+    (one DRAM stream per thread or four) and, rows in order, 4 or 8 inputs per row decode (~24 inputs
+    an expert here) give the same bits."""
     out = tmp_path / "y.npy"
     env = dict(os.environ, NUMBA_NUM_THREADS="4")
     p = subprocess.run([sys.executable, "-c", THREADS_SCRIPT, str(out)], env=env, capture_output=True, text=True, timeout=300)
@@ -130,6 +132,8 @@ def test_bad_inputs_named():
         expert_ffn(x[:, :32], ids, w, bank)
     with pytest.raises(ValueError, match="w2_codes"):
         Fp4Bank(bank.w13_codes, bank.w13_scales, bank.w2_codes[:, :-1], bank.w2_scales)
+    with pytest.raises(ValueError, match=r"inputs must be one of \(4, 8\), got 5"):
+        expert_ffn(x, ids, w, bank, inputs=5)
 
 
 ISA_SCRIPT = """
@@ -189,11 +193,12 @@ def test_every_isa_path_this_cpu_can_run(isa_runs, isa):
 def test_batch_invariant_a_token_alone_or_in_a_verify_batch():
     """DSpark's lossless greedy verify needs each token's output to be the same bits whether it is
     computed alone (plain decode) or in a batch sharing experts (the 4-token decode reuse)."""
-    bank, x, ids, w = _case(8, 6, 640, 64, 11, 3)            # 11 = 4 + 4 + 3 inputs sharing row decodes; a superblock
-    ids[:, 0] = 2                                            # every token shares expert 2
-    batch = expert_ffn(x, ids, w, bank)
-    for t in range(len(x)):
-        assert np.array_equal(batch[t], expert_ffn(x[t:t + 1], ids[t:t + 1], w[t:t + 1], bank)[0])
+    for T in (5, 6, 7, 8, 11):                               # 11 = 8 + 3 (AVX-512) or 4 + 4 + 3 inputs sharing row decodes
+        bank, x, ids, w = _case(8 + T, 6, 640, 64, T, 3)
+        ids[:, 0] = 2                                        # every token shares expert 2
+        batch = expert_ffn(x, ids, w, bank)
+        for t in range(len(x)):
+            assert np.array_equal(batch[t], expert_ffn(x[t:t + 1], ids[t:t + 1], w[t:t + 1], bank)[0]), (T, t)
 
 
 def test_unassigned_entries_are_skipped_not_computed():

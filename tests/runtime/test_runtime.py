@@ -59,6 +59,7 @@ FACTORS = {
     "fetch_fraction": (0.0, 0.5, 1.0),
     "engram": ("host", "nvme_direct", "nvme_mmap"),
     "dspark": (0, 2, 4),                                # off, draft length 2, 4
+    "inputs": (4, 8),                                   # the most inputs a CPU-MoE row decode serves
 }
 
 
@@ -79,7 +80,7 @@ def _plan(row) -> Plan:
     return Plan(slot_cache_experts=v["slots"], moe_strategy=v["strategy"], prefill_chunk=v["chunk"],
                 host_expert_budget_gib=v["tier"][0], cpu_threads=v["tier"][1], fetch_fraction=v["fetch_fraction"],
                 engram_placement=v["engram"], engram_row_cache_mib=1 if v["engram"] == "nvme_direct" else 0,
-                dspark=bool(v["dspark"]), draft_length=v["dspark"] or 1)
+                dspark=bool(v["dspark"]), draft_length=v["dspark"] or 1, cpu_moe_inputs=v["inputs"])
 
 
 ROWS = _pairwise([len(v) for v in FACTORS.values()])
@@ -100,7 +101,7 @@ def test_the_cover_is_pairwise():
 
 @pytest.mark.parametrize("plan", PLANS + SMALL, ids=lambda p: f"{p.moe_strategy}-s{p.slot_cache_experts}-c{p.prefill_chunk}-"
                          f"{'all' if p.host_expert_budget_gib is None else 'nvme'}-t{p.cpu_threads}-f{p.fetch_fraction}-"
-                         f"{p.engram_placement}-d{p.draft_length if p.dspark else 0}")
+                         f"{p.engram_placement}-d{p.draft_length if p.dspark else 0}-i{p.cpu_moe_inputs}")
 def test_no_exact_knob_changes_greedy_output(ck, case, plan):
     prompt, r = case
     e = Engine(ck, plan)
@@ -156,11 +157,13 @@ def test_sparse_path_is_exercised(ck, ref, case):
     assert visible_rows > cfg.index_topk and st.indexer_peak_bytes > 0   # the indexer really selects
 
 
-def test_threads_and_row_layout_do_not_change_bits(ck, case):
+def test_threads_row_layout_and_inputs_per_decode_do_not_change_bits(ck, case):
     prompt, _ = case
     for one, other in ((Plan(cpu_threads=1), Plan(cpu_threads=2)),
                        (Plan(cpu_threads=1, cpu_moe_streams=1), Plan(cpu_threads=2, cpu_moe_streams=4)),
-                       (Plan(dspark=True, cpu_moe_streams=1), Plan(dspark=True, cpu_moe_streams=4))):      # the drafter's experts too
+                       (Plan(cpu_moe_inputs=4, prefill_chunk=64), Plan(cpu_moe_inputs=8, prefill_chunk=64)),   # wide chunks: > 4 a row
+                       (Plan(dspark=True, cpu_moe_streams=1), Plan(dspark=True, cpu_moe_streams=4)),      # the drafter's experts too
+                       (Plan(dspark=True, cpu_moe_inputs=4), Plan(dspark=True, cpu_moe_inputs=8))):
         a = Engine(ck, one).generate(prompt, 8, keep_logits=True)
         b = Engine(ck, other).generate(prompt, 8, keep_logits=True)
         assert a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)), other
