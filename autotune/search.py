@@ -79,7 +79,9 @@ def cpu_moe_streams(profile: dict) -> int:
 
 def cpu_moe_inputs(profile: dict) -> int:
     """The most inputs per CPU-MoE row decode the profiler measured faster on this host (the Plan's default
-    when the profile predates the probe or skipped it)."""
+    when the profile predates the probe or skipped it; 4 rows apart always decode for 4)."""
+    if cpu_moe_streams(profile) != 1:
+        return Plan.cpu_moe_inputs
     return int((profile["measurements"].get("cpu_moe_inputs") or {}).get("best", Plan.cpu_moe_inputs))
 
 

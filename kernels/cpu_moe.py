@@ -300,7 +300,7 @@ def _ov_rows(R, B, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j0, j1
 
     def rows8(R, B, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j0, j1, K, of, r, N, or_stride):
         j = j0
-        while j < j1:
+        while j1 - j >= 5:                                 # blocks of 8, or one of 5-7; the rest (<= 4) below
             o_off = j * N + r
             left = j1 - j
             if left >= 8:
@@ -312,21 +312,10 @@ def _ov_rows(R, B, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j0, j1
             elif left == 6:
                 _dot(n, 6, MODE, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j, K, of, o_off, N, or_stride)
                 j += 6
-            elif left == 5:
+            else:
                 _dot(n, 5, MODE, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j, K, of, o_off, N, or_stride)
                 j += 5
-            elif left == 4:
-                _dot(n, 4, MODE, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j, K, of, o_off, N, or_stride)
-                j += 4
-            elif left == 3:
-                _dot(n, 3, MODE, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j, K, of, o_off, N, or_stride)
-                j += 3
-            elif left == 2:
-                _dot(n, 2, MODE, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j, K, of, o_off, N, or_stride)
-                j += 2
-            else:
-                _dot(n, 1, MODE, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j, K, of, o_off, N, or_stride)
-                j += 1
+        _rows(n, 4, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j, j1, K, of, r, N, or_stride)
 
     def rows(R, B, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j0, j1, K, of, r, N, or_stride):
         j = j0

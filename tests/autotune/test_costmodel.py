@@ -121,32 +121,24 @@ def test_cpu_only_host_gets_cpu_plans(epyc, v41):
     assert not r.feasible and "no GPU" in r.why[0]
 
 
-def test_the_row_layout_comes_from_the_hosts_measurement(epyc, v41):
-    """cpu_moe_streams is a measured fact of the host (the profiler's interleaved layouts), not searched:
-    every plan carries the faster layout; a profile without the probe keeps the kernel's default."""
+@pytest.mark.parametrize("field,other", [("cpu_moe_streams", 5 - Plan.cpu_moe_streams),   # 1 <-> 4
+                                         ("cpu_moe_inputs", 12 - Plan.cpu_moe_inputs)])    # 4 <-> 8
+def test_the_cpu_moe_kernels_choices_come_from_the_hosts_measurement(epyc, v41, field, other):
+    """The row layout and the inputs per row decode are measured facts of the host (the profiler's
+    interleaved runs), not searched: every plan carries the faster; a profile without the probe keeps
+    the kernel's default."""
     one = copy.deepcopy(epyc)
-    other = 5 - Plan.cpu_moe_streams                                   # the layout that is not the default (1 <-> 4)
-    one["measurements"]["cpu_moe_streams"] = {"best": other, "geometry": "5120x2304", "threads": 2, "gbs": {}}
+    one["measurements"][field] = {"best": other, "geometry": "5120x2304", "threads": 2, "gbs": {}}
     _, res = search(one, v41, Workload(1024, 64), n_trials=40)
-    assert res and all(p.cpu_moe_streams == other for p, _ in res)
-    epyc_plain = copy.deepcopy(epyc)
-    epyc_plain["measurements"].pop("cpu_moe_streams", None)
-    _, res = search(epyc_plain, v41, Workload(1024, 64), n_trials=20)
-    assert res and all(p.cpu_moe_streams == Plan.cpu_moe_streams for p, _ in res)
-
-
-def test_the_inputs_per_row_decode_come_from_the_hosts_measurement(epyc, v41):
-    """cpu_moe_inputs is a measured fact of the host too: every plan carries the faster choice; a profile
-    without the probe keeps the kernel's default."""
-    one = copy.deepcopy(epyc)
-    other = 12 - Plan.cpu_moe_inputs                                   # the choice that is not the default (4 <-> 8)
-    one["measurements"]["cpu_moe_inputs"] = {"best": other, "geometry": "5120x2304", "threads": 2, "tokens": 8, "gbs": {}}
-    _, res = search(one, v41, Workload(1024, 64), n_trials=40)
-    assert res and all(p.cpu_moe_inputs == other for p, _ in res)
-    epyc_plain = copy.deepcopy(epyc)
-    epyc_plain["measurements"].pop("cpu_moe_inputs", None)
-    _, res = search(epyc_plain, v41, Workload(1024, 64), n_trials=20)
-    assert res and all(p.cpu_moe_inputs == Plan.cpu_moe_inputs for p, _ in res)
+    assert res and all(getattr(p, field) == other for p, _ in res)
+    plain = copy.deepcopy(epyc)
+    plain["measurements"].pop(field, None)
+    _, res = search(plain, v41, Workload(1024, 64), n_trials=20)
+    assert res and all(getattr(p, field) == getattr(Plan, field) for p, _ in res)
+    if field == "cpu_moe_inputs":                       # 4 rows apart: the inputs figure cannot apply (the Plan refuses 8)
+        one["measurements"]["cpu_moe_streams"] = {"best": 4, "geometry": "5120x2304", "threads": 2, "gbs": {}}
+        _, res = search(one, v41, Workload(1024, 64), n_trials=20)
+        assert res and all((p.cpu_moe_streams, p.cpu_moe_inputs) == (4, Plan.cpu_moe_inputs) for p, _ in res)
 
 
 def _engine_curve(profile, fast):
