@@ -68,10 +68,11 @@ def decode_step(bank, T=1, pool=None, streams=4, inputs=DEFAULT_INPUTS):
     def fn():
         ids = plan[state["i"] % len(plan)]
         state["i"] += 1
-        fn.bytes = len(np.unique(ids)) * bank.expert_bytes
-        fn.macs = ids.size * 3 * bank.hidden * bank.inter          # int8 products: gate/up H x 2I, down I x H
         expert_ffn(x, ids, w, bank, streams=streams, inputs=inputs)
-    fn.bytes = fn.macs = 0
+    # distinct expert bytes per step: the mean over the plan (a verify step meets 6-10 of its pool), as the
+    # profiler's probe counts them (autotune/probes/cpu_moe.py), not the last step's count
+    fn.bytes = float(np.mean([len(np.unique(p)) for p in plan])) * bank.expert_bytes
+    fn.macs = T * 6 * 3 * bank.hidden * bank.inter                  # int8 products: gate/up H x 2I, down I x H
     return fn
 
 

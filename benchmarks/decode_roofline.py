@@ -72,11 +72,11 @@ class MoeCalls:
             self.calls.append((bank, x.copy(), ids.copy(), wts.copy(), time.perf_counter() - t0))
         return y
 
-    def replay_ratio(self, threads, streams) -> float:
-        """Replayed time / time in the engine, then forget the calls."""
+    def replay_ratio(self, threads, streams, inputs) -> float:
+        """Replayed time / time in the engine (the plan's kernel choices), then forget the calls."""
         t0 = time.perf_counter()
         for bank, x, ids, wts, _ in self.calls:
-            expert_ffn(x, ids, wts, bank, threads=threads, streams=streams)
+            expert_ffn(x, ids, wts, bank, threads=threads, streams=streams, inputs=inputs)
         ratio = (time.perf_counter() - t0) / sum(c[-1] for c in self.calls)
         self.calls.clear()
         return ratio
@@ -135,6 +135,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.max_tokens < 2:
         ap.error(f"--max-tokens {args.max_tokens}: at least 2 (the first token comes from the prefill; decode is measured after it)")
+    if args.inputs == "8" and args.streams == "4":
+        ap.error("--inputs 8 needs rows in order (--streams 1 or measured): four rows apart always decode for 4 inputs")
     if not (Path(args.checkpoint) / "model.safetensors.index.json").exists():
         subprocess.run([sys.executable, "-m", "runtime.cli.checkpoint", "make", "--preset", "mini", "--out", args.checkpoint], check=True)
     ck = Checkpoint(args.checkpoint)
@@ -152,6 +154,9 @@ def main(argv=None):
     else:
         streams = int(args.streams)
     inputs = int(args.inputs) if args.inputs != "measured" else plan.cpu_moe_inputs
+    if streams != 1 and inputs != plan.cpu_moe_inputs:           # measured 4 rows apart: 4 inputs a decode (Plan)
+        print(f"--inputs {inputs} not used: four rows apart measured faster here, and they decode for {plan.cpu_moe_inputs}")
+        inputs = plan.cpu_moe_inputs
     if args.inputs == "measured" and streams == 1:
         inputs, by = row_inputs(engine.experts.host[0], T, cfg.num_experts_per_tok)
         print("inputs per row decode (8-token verify): " + ", ".join(f"{k}: {v.median:.1f} GB/s" for k, v in by.items()) + f" -> {inputs}")
@@ -171,7 +176,7 @@ def main(argv=None):
         step["i"] += 1
         bank = banks[i % len(banks)]
         ids = ((np.arange(K) + K * (i // len(banks))) % bank.n_experts)[None]
-        expert_ffn(x, ids, np.ones_like(ids, dtype=np.float32), bank, threads=T, streams=streams)
+        expert_ffn(x, ids, np.ones_like(ids, dtype=np.float32), bank, threads=T, streams=streams, inputs=inputs)
     dense = [w for n, w in engine.model.w.items()                # what a decoded token multiplies (not the drafter)
              if len(w.shape) == 2 and n != "embed.weight" and not n.startswith("mtp.") and ".tid2eid" not in n]
     dense_bytes_rt = sum(w.nbytes for w in dense)                # as held: fp8 and BF16 as stored, the rest float32
@@ -197,7 +202,7 @@ def main(argv=None):
     for _ in range(args.rounds):
         calls.calls.clear()                                      # this round's decode only
         r = engine.generate(prompt, args.max_tokens)
-        replay = calls.replay_ratio(T, streams)
+        replay = calls.replay_ratio(T, streams, inputs)
         stream = dram_stream_read(T, repeats=3)
         m = measure(moe_step, repeats=12, warmup=2)
         md = measure(dense_pass, repeats=max(10, 2 * len(dense_sets)), warmup=len(dense_sets))

@@ -34,6 +34,9 @@ def test_decode_roofline_refuses_a_run_with_no_decode_step(tiny_dir):
     p = subprocess.run([sys.executable, str(SCRIPTS / "decode_roofline.py"), "--checkpoint", str(tiny_dir), "--max-tokens", "1"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--max-tokens 1: at least 2" in p.stderr, p.stderr[-2000:]
+    p = subprocess.run([sys.executable, str(SCRIPTS / "decode_roofline.py"), "--checkpoint", str(tiny_dir), "--inputs", "8",
+                        "--streams", "4"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--inputs 8 needs rows in order" in p.stderr, p.stderr[-2000:]
 
 
 def _decode_roofline():
