@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels import indexer_top, latent_rows, norms, router, window_keys
+from kernels import decode_attn, indexer_top, latent_rows, norms, router, window_keys
 from kernels.cpu_moe import Fp4Bank, expert_ffn
 from kernels.fp8_dense import TILE_MIN_TOKENS, Fp8Weight, fp8_linear
 
@@ -31,10 +31,13 @@ def _decode_step(rng) -> None:
         norms.rope(f32(T, 2, 64), f32(T, 32), f32(T, 32), f32(T, 2, 64))
         router.route(f32(T, 8), f32(8), 1.0, np.empty((T, 2), np.int64), f32(T, 2))
     K, V = f32(9, 16), f32(9, 16)
-    window_keys.gather((f32(4, 16), f32(4, 16), np.arange(4, dtype=np.int64)), 4, 4, f32(16), f32(16), K, V, 2)
+    ring = (f32(4, 16), f32(4, 16), np.arange(4, dtype=np.int64))
+    window_keys.gather(ring, 4, 4, f32(16), f32(16), K, V, 2)
+    decode_attn.attend(ring, 4, 4, f32(16), f32(16), K, V, 2, 0, f32(2, 16), 0.25, f32(2, 16))
     codes, scale = rng.integers(0, 0x7e, (6, 16), dtype=np.uint8), np.ones(6, np.float32)
     indexer_top.index_keys(codes, scale, f32(6, 16))
     score = indexer_top.weigh(f32(2, 6), f32(2), f32(6), 0)
     indexer_top.top(score, 3, np.empty(3, np.int64), np.empty(3, np.bool_))
+    indexer_top.select_one(codes, scale, indexer_top.E4M3, f32(2, 16), f32(2), f32(6), 3, np.empty(3, np.int64), np.empty(3, np.bool_))
     latent_rows.selected(rng.integers(0, 256, (6, 8), dtype=np.uint8), np.full((6, 1), 56, np.uint8),
                          np.arange(3, dtype=np.int64), f32(3, 8), f32(3, 8), f32(3, 16), f32(3, 16))

@@ -20,15 +20,18 @@ from kernels.cpu_moe import CACHE
 
 @njit(nogil=True, cache=CACHE)
 def _gather(rk, rv, rp, p, window, kn, vn, K, V, at):
-    n = at
+    n, C = at, rk.shape[1]
     for s in range(rp.shape[0]):
         q = rp[s]
         if q >= 0 and q < p and q > p - window:
-            K[n, :] = rk[s, :]
-            V[n, :] = rv[s, :]
+            for c in range(C):                # element loops: 3x faster here than row slices' copies
+                K[n, c] = rk[s, c]
+            for c in range(C):
+                V[n, c] = rv[s, c]
             n += 1
-    K[n, :] = kn
-    V[n, :] = vn
+    for c in range(C):
+        K[n, c] = kn[c]
+        V[n, c] = vn[c]
     return n + 1 - at
 
 
@@ -42,6 +45,26 @@ def gather(ring, p: int, window: int, kn, vn, K, V, at: int) -> int:
     if not isinstance(K, np.ndarray):
         return gather_torch(rk, rv, rp, p, window, kn, vn, K, V, at)
     return _gather(rk, rv, rp, p, window, kn, vn, K, V, at)
+
+
+@njit(nogil=True, cache=CACHE)
+def _write(d0, d1, rp, pos, v0, v1):
+    R, T = rp.shape[0], pos.shape[0]
+    for t in range(max(0, T - R), T):
+        s = pos[t] % R
+        for c in range(d0.shape[1]):
+            d0[s, c] = v0[t, c]
+        for c in range(d1.shape[1]):
+            d1[s, c] = v1[t, c]
+        rp[s] = pos[t]
+
+
+def write(ring, pos, v0, v1) -> None:
+    """A ring's write (runtime/model/kv.py Ring.write) in one call: positions pos [T] (ascending,
+    non-negative) with their vectors v0, v1 [T, w0 / w1] into ring = (d0, d1, positions) numpy arrays,
+    slot = position % R, only the last R kept. The same copies as the torch form (~4 small ops, ~35 us
+    per layer on a decode token here; this ~3 us)."""
+    _write(ring[0], ring[1], ring[2], pos, v0, v1)
 
 
 def gather_torch(rk, rv, rp, p: int, window: int, kn, vn, K, V, at: int) -> int:

@@ -6,16 +6,18 @@ attend: queries in blocks of Q_BLOCK; a block sees the ring's older positions, t
   scores [Q_BLOCK, heads, R + Q_BLOCK + window - 1 + index_topk], whatever the chunk or context.
 select: an index layer scores every visible row in tiles of t = TILE_ELEMS / (T Hi) rows:
   relu(qi . ik) [T, Hi, t] -> weighted by wh -> score [T, n] (itemsize B per score: the only
-  chunk x context term); a stable sort of Q_BLOCK queries at a time keeps the top k.
+  chunk x context term); a stable sort of Q_BLOCK queries at a time keeps the top k. One decode query
+  on the CPU: all of it in one call, no tile (kernels/indexer_top.py select_one).
 """
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
-from kernels.arrays import numba_ok, numpy_views
-from kernels import indexer_top, window_keys
+from kernels.arrays import numpy_views
+from kernels import decode_attn, indexer_top, window_keys
 from runtime.budget import Q_BLOCK, key_tile
 from runtime.model.kv import Compressed, Ring
 
@@ -64,27 +66,20 @@ def select(src: Compressed, qi, wh, pos, window: int, topk: int, dtype, device):
         z = torch.zeros(T, k, dtype=torch.long, device=device)
         return z, z.bool(), 0
     score = torch.empty(T, n, dtype=dtype, device=device)                             # the chunk x context term
-    one = T == 1 and numba_ok(score)                         # one query, on the CPU: kernels/indexer_top.py
+    idx = torch.empty(T, k, dtype=torch.long, device=device)
+    ok = torch.empty(T, k, dtype=torch.bool, device=device)
+    if T == 1 and src.top_rows(qi[0], wh[0], score[0], k, idx[0], ok[0]):   # one query on the CPU: one call, no tile
+        return idx, ok, nbytes(score, idx, ok) + n * (score.element_size() + 8)   # + the sort's -score, order
     peak = 0
     tile = key_tile(T, qi.shape[1], n)
     for j0 in range(0, n, tile):
         j1 = min(n, j0 + tile)
         ik = src.index_keys(j0, j1)                                                    # [t, Di]
-        if one:
-            act = torch.matmul(qi[0], ik.T)                                            # [Hi, t]
-            indexer_top.weigh(act.numpy(), wh[0].numpy(), score[0].numpy(), j0)
-            peak = max(peak, nbytes(score, ik, act))
-            continue
         act = torch.einsum("thd,nd->thn", qi, ik).relu_()                              # [T, Hi, t]
         part = torch.einsum("thn,th->tn", act, wh)                                     # [T, t]
         peak = max(peak, nbytes(score, ik, act, part))
         score[:, j0:j1] = part
         del ik, act, part
-    idx = torch.empty(T, k, dtype=torch.long, device=device)
-    ok = torch.empty(T, k, dtype=torch.bool, device=device)
-    if one:                                                # n = n_vis: every row scored is visible
-        indexer_top.top(score[0].numpy(), k, idx[0].numpy(), ok[0].numpy())
-        return idx, ok, max(peak, nbytes(score, idx, ok) + n * (score.element_size() + 8))   # -score, order
     score.masked_fill_(torch.arange(n, device=device)[None] >= n_vis[:, None], float("-inf"))
     for b0 in range(0, T, Q_BLOCK):                       # sorted a block of queries at a time
         val, order = torch.sort(score[b0:b0 + Q_BLOCK], dim=-1, descending=True, stable=True)
@@ -104,7 +99,13 @@ def attend_decode(q, pos, k_new, v_new, rings: list, window: int, kv, n_sel=None
     K, V = kv
     scale = 1.0 / math.sqrt(q.shape[-1])
     out = torch.empty_like(q)
-    Ka, Va, kna, vna = numpy_views(K, V, k_new, v_new)
+    Ka, Va, qa, oa, kna, vna = numpy_views(K, V, q, out, k_new, v_new)
+    if isinstance(Ka, np.ndarray):                 # the CPU: each sequence in one call (kernels/decode_attn.py)
+        for j, (ring, p) in enumerate(zip(rings, pos.tolist())):
+            at = K.shape[1] - ring.R - 1 if n_sel is None else n_sel[j]
+            decode_attn.attend(ring.views, p, window, kna[j], vna[j], Ka[j], Va[j], at, at if n_sel is None else 0,
+                               qa[j], scale, oa[j])
+        return out
     for j, (ring, p) in enumerate(zip(rings, pos.tolist())):
         at = K.shape[1] - ring.R - 1 if n_sel is None else n_sel[j]
         n = window_keys.gather(ring.views, p, window, kna[j], vna[j], Ka[j], Va[j], at)

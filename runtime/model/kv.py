@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.arrays import numba_ok, numpy_views
-from kernels import indexer_top, latent_rows
+from kernels import indexer_top, latent_rows, window_keys
 from kernels.formats import dequantize_fp4_e4m3, dequantize_fp8_rowscale, quantize_fp4_e4m3, quantize_fp8_rowscale
 from runtime.config import ModelConfig
 
@@ -37,6 +37,9 @@ class Ring:
     def write(self, pos: torch.Tensor, *vals: torch.Tensor) -> None:
         """pos [T] ascending; vals [T, w] each. Only the last R positions can be kept."""
         if self.R == 0:
+            return
+        if len(vals) == 2 and numba_ok(pos, *vals) and all(v.dtype == d.dtype for v, d in zip(vals, self.data)):
+            window_keys.write(self.views, *numpy_views(pos, *vals))      # one call (kernels/window_keys.py)
             return
         pos = pos[-self.R:]
         slot = pos % self.R
@@ -97,6 +100,16 @@ class Compressed:
         if not numba_ok(rows, cos, sin, K, V):
             return False
         latent_rows.selected(*self._lat, *numpy_views(rows, cos, sin, K, V))
+        return True
+
+    def top_rows(self, qi, wh, score, k: int, idx, ok) -> bool:
+        """One query's scores over rows 0..len(score)-1 and its top k (kernels/indexer_top.py
+        select_one: qi [Hi, Di], wh [Hi] -> score [n], idx [k], ok [k]) in one call where all are CPU
+        tensors numba reads. -> False (nothing done) else."""
+        if not numba_ok(qi, wh, score, idx):
+            return False
+        q, w, s, i = numpy_views(qi, wh, score, idx)
+        indexer_top.select_one(*self._ik, indexer_top.E4M3, q, w, s, k, i, ok.numpy())
         return True
 
     def index_keys(self, lo: int, hi: int) -> torch.Tensor:

@@ -54,3 +54,24 @@ def test_one_decode_query_selects_the_rows_the_batched_form_does(n, topk):
     both, ok2, _ = select(src, qi.repeat(2, 1, 1), wh.repeat(2, 1), pos.repeat(2), window, topk, torch.float32, "cpu")
     assert torch.equal(idx[0], both[0]) and torch.equal(ok[0], ok2[0]) and bool(ok.all())
     assert idx.shape == (1, min(topk, n)) and peak > 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 90), st.integers(1, 6), st.integers(1, 70), st.sampled_from([torch.float32, torch.float64]), st.integers(0, 2**31))
+def test_select_one_scores_against_float64_and_keeps_their_top(n, Hi, Di, dtype, seed):
+    """One query in one call (kernels/indexer_top.py select_one): each score sum_h w_h relu(qi_h . ik_j)
+    against float64 from the same dequantized keys, and the top k those scores order (ties to the lower row)."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 0x7f, (n + 3, Di), dtype=np.uint8)            # finite E4M3 codes, rows past n unread
+    scale = rng.uniform(0.01, 4, n + 3).astype(np.float32)
+    np_dt = np.float32 if dtype == torch.float32 else np.float64
+    qi, wh = rng.standard_normal((Hi, Di)).astype(np_dt), rng.standard_normal(Hi).astype(np_dt)
+    k = int(rng.integers(1, n + 1))
+    score, idx, ok = np.empty(n, np_dt), np.empty(k, np.int64), np.empty(k, np.bool_)
+    indexer_top.select_one(codes, scale, indexer_top.E4M3, qi, wh, score, k, idx, ok)
+    keys = np.empty((n, Di), np_dt)
+    indexer_top.index_keys(codes[:n], scale[:n], keys)
+    want = (np.maximum(qi.astype(np.float64) @ keys.astype(np.float64).T, 0) * wh[:, None]).sum(0)
+    bound = np.abs(wh).astype(np.float64) @ (np.abs(qi).astype(np.float64) @ np.abs(keys).astype(np.float64).T)   # [n]
+    assert (np.abs(score - want) <= (1e-6 if dtype == torch.float32 else 1e-14) * bound).all()
+    assert list(idx) == list(np.argsort(-score, kind="stable")[:k]) and ok.all()

@@ -8,8 +8,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kernels import window_keys
+import kernels.arrays
+from kernels import decode_attn, window_keys
 from runtime.model.attention import attend_decode
+from runtime.model import kv
 from runtime.model.kv import Ring
 
 
@@ -64,8 +66,15 @@ def _reference(q, p, kn, vn, ring, window, gk, gv):
     return torch.softmax(s, -1) @ vals
 
 
+@pytest.mark.parametrize("numba_form", [True, False])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.float64, 1e-13)])
-def test_decode_attention_matches_float64_and_is_the_same_alone_or_batched(dtype, tol):
+def test_decode_attention_matches_float64_and_is_the_same_alone_or_batched(dtype, tol, numba_form, monkeypatch):
+    """Both forms: one numba call per sequence (kernels/decode_attn.py) and the torch ops a GPU runs."""
+    calls = []
+    att = decode_attn.attend
+    monkeypatch.setattr(decode_attn, "attend", lambda *a: calls.append(1) or att(*a))
+    if not numba_form:
+        monkeypatch.setattr(kernels.arrays, "numba_ok", lambda *ts: False)
     rng = np.random.default_rng(5)
     S, R, C, Hq, k, window = 3, 9, 16, 4, 6, 7
     pos = torch.tensor([12, 30, 9])
@@ -89,3 +98,29 @@ def test_decode_attention_matches_float64_and_is_the_same_alone_or_batched(dtype
     for j in range(S):
         ref = _reference(q[j], int(pos[j]), kn[j], vn[j], rings[j], window, K[j, :0], V[j, :0])
         assert float((out[j].double() - ref).abs().max() / ref.abs().max()) < tol
+    assert bool(calls) == numba_form                                                # the form meant ran
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 12), st.integers(1, 6), st.integers(0, 40), st.integers(1, 20), st.integers(0, 2**31))
+def test_a_ring_write_in_one_call_is_the_torch_writes(R, C, p0, T, seed):
+    """Ring.write through kernels/window_keys.py write against its torch form: the same slots, values
+    and positions, only the last R of T positions kept."""
+    rng = np.random.default_rng(seed)
+    rings = [_ring(rng, R, C, p0) for _ in range(2)]
+    rings[1].data[0].copy_(rings[0].data[0]), rings[1].data[1].copy_(rings[0].data[1]), rings[1].pos.copy_(rings[0].pos)
+    pos = torch.arange(p0, p0 + T)
+    k, v = torch.randn(T, C), torch.randn(T, C)
+    calls = []
+    w = window_keys.write
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(window_keys, "write", lambda *a: calls.append(1) or w(*a))
+        rings[0].write(pos, k, v)                                # numba
+        mp.setattr(kv, "numba_ok", lambda *ts: False)
+        rings[1].write(pos, k, v)                                # the torch form (a GPU's)
+    assert calls == [1]
+    assert torch.equal(rings[0].pos, rings[1].pos)
+    assert torch.equal(rings[0].data[0], rings[1].data[0])
+    assert torch.equal(rings[0].data[1], rings[1].data[1])
+    kept = pos[-R:]
+    assert torch.equal(rings[0].pos[kept % R], kept)
