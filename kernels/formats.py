@@ -85,17 +85,25 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype=torch.flo
     return vals * s
 
 
-def quantize_act(x: torch.Tensor) -> torch.Tensor:
-    """x [..., K] (K % 32 == 0) -> x^ in x's dtype: the int8-per-32 expert input (module docstring),
-    computed in float32 exactly as the CPU kernel computes it."""
-    shape, dtype = x.shape, x.dtype
+def act_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] (K % 32 == 0) -> (q [..., K], s [..., K/32]), both float32: the int8-per-32 expert
+    input's two factors (module docstring), x^ = q * s per block; q integers in [-127, 127] (0 in a
+    non-finite block, whose s is NaN), computed in float32 exactly as the CPU kernel computes them."""
+    shape = x.shape
     g = x.to(torch.float32).reshape(*shape[:-1], shape[-1] // FP4_GROUP, FP4_GROUP)
     a = g.abs().amax(-1, keepdim=True)
     ok = (a > 0) & torch.isfinite(a)
     inv = torch.where(ok, torch.tensor(127.0, dtype=torch.float32) / torch.where(ok, a, 1.0), 0.0)
-    q = torch.round(g * inv).clamp(-127, 127)
+    q = torch.where(ok, torch.round(g * inv).clamp(-127, 127), 0.0)
     s = torch.where(ok | (a == 0), a / torch.tensor(127.0, dtype=torch.float32), torch.nan)
-    return (q.to(torch.float64) * s.to(torch.float64)).reshape(shape).to(dtype)
+    return q.reshape(shape), s[..., 0]
+
+
+def quantize_act(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (K % 32 == 0) -> x^ = q * s in x's dtype (act_parts; products in float64, exact)."""
+    q, s = act_parts(x)
+    g = q.to(torch.float64).reshape(*x.shape[:-1], -1, FP4_GROUP) * s.to(torch.float64)[..., None]
+    return g.reshape(x.shape).to(x.dtype)
 
 
 def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,20 +1,26 @@
 """GPU kernels (Triton): ds_fp4 experts in the device slot cache, and fp8 dense with block scales.
 
-1. `fp4_slot_matmul(x, codes, scales, slots)`: for m = 0..M-1, y[m] = x[m] @ W_{slots[m]}^T with W in
+1. `fp4_slot_matmul(x, codes, scales, slots)`: for m = 0..M-1, y[m] = x^[m] @ W_{slots[m]}^T with W in
    ds_fp4 read in place from the slot cache (codes [S, N, K/2] u8, scales [S, N, K/32] u8); x [M, T, K]
-   holds the tokens routed to that slot (T = 1 for decode, up to the DSpark block for verify).
+   holds the tokens routed to that slot (T = 1 for decode, up to the DSpark block for verify), x^ its
+   int8-per-32 quantization (kernels/formats.py). The CPU kernel's arithmetic (kernels/fp4_i8.py): per
+   32-block the integer sum of 2 E2M1 x q (two exact float32 dots of 16 products, |.| < 2^17), times
+   s/2 x 2^(b - 127) (the scale built in the exponent bits), summed over the blocks in float32. Each
+   block's term is the CPU's bit for bit; only the order of the K/32 terms' sum differs.
    Bytes: reads N*K*(1/2 + 1/32) per slot and M*T*K inputs, writes M*T*N.
 2. `fp8_block_matmul(x, w, scale, block)`: y = x @ (w * scale)^T with w [N, K] float8_e4m3fn and
    one ue8m0 scale per BxB block (32x32 for V4.1, 128x128 for V4) applied per tile, so the fp8 dense
    weights are never dequantized to bf16 up front. Bytes: N*K (+ N*K/B^2 scales) read once per M tile.
 
-E2M1 decode in-kernel is arithmetic (no table gather): |v| = m/2 if e == 0 else (1 + m/2) * 2^(e-1).
+E2M1 decode in-kernel is integer arithmetic (no table gather): 2|v| = m if e == 0 else (2 + m) << (e - 1).
 Both kernels run on CPU tensors under TRITON_INTERPRET=1 (how the tests check them here); on a GPU
 they are the slot-cache and dense paths. References: kernels.formats.
 """
 from __future__ import annotations
 
 import torch
+
+from kernels.formats import act_parts
 
 try:
     import triton
@@ -25,43 +31,49 @@ except ImportError:  # a CPU-only install without triton: the GPU path is simply
 
 if triton is not None:
     @triton.jit
-    def _e2m1(c):
+    def _e2m1_x2(c):
+        """2 x E2M1 of a code as an exact integer in [-12, 12] (float32), in integer ops alone."""
+        c = c.to(tl.int32)
         e = (c >> 1) & 3
-        m = (c & 1).to(tl.float32)
-        mag = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * tl.exp2((e - 1).to(tl.float32)))
-        return tl.where((c & 8) != 0, -mag, mag)
+        m = c & 1
+        mag = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0))
+        return tl.where((c & 8) != 0, -mag, mag).to(tl.float32)
 
     @triton.jit
     def _e8m0(b):
         return tl.where(b == 255, float("nan"), tl.exp2(b.to(tl.float32) - 127.0))   # 255 is NaN
 
     @triton.jit
-    def _fp4_slot_kernel(x_ptr, c_ptr, s_ptr, slot_ptr, y_ptr, T, N, K,
-                         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _e8m0_bits(b):
+        """2^(b - 127) built in the exponent bits, as the CPU kernel builds it (255: NaN; 0 flushes to 0)."""
+        bits = tl.where(b == 255, 0x7FC00000, b.to(tl.int32) << 23)
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _fp4_slot_kernel(q_ptr, r_ptr, c_ptr, s_ptr, slot_ptr, y_ptr, T, N, K,
+                         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
         m = tl.program_id(0)
         pid_n = tl.program_id(1)
         slot = tl.load(slot_ptr + m).to(tl.int64)
         offs_t = tl.arange(0, BLOCK_T)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        HALF: tl.constexpr = BLOCK_K // 2
-        offs_j = tl.arange(0, HALF)                                  # packed byte within the K tile
+        offs_j = tl.arange(0, 16)                                    # code byte within a 32-block
+        nmask, tmask = offs_n < N, offs_t < T
         acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
         c_base = c_ptr + slot * N * (K // 2)
         s_base = s_ptr + slot * N * (K // 32)
-        x_base = x_ptr + m * T * K
-        for k0 in range(0, K, BLOCK_K):
-            nmask = offs_n[:, None] < N
-            codes = tl.load(c_base + offs_n[:, None] * (K // 2) + k0 // 2 + offs_j[None, :], mask=nmask, other=0)
-            sc = tl.load(s_base + offs_n[:, None] * (K // 32) + (k0 + 2 * offs_j[None, :]) // 32, mask=nmask, other=127)
-            scale = _e8m0(sc)                                        # [BLOCK_N, HALF]
-            w_even = _e2m1(codes & 15) * scale                       # inputs k0 + 2j
-            w_odd = _e2m1(codes >> 4) * scale                        # inputs k0 + 2j + 1
-            tmask = offs_t[:, None] < T
-            x_even = tl.load(x_base + offs_t[:, None] * K + k0 + 2 * offs_j[None, :], mask=tmask, other=0.0).to(tl.float32)
-            x_odd = tl.load(x_base + offs_t[:, None] * K + k0 + 2 * offs_j[None, :] + 1, mask=tmask, other=0.0).to(tl.float32)
-            acc += tl.dot(x_even, tl.trans(w_even), input_precision="ieee")
-            acc += tl.dot(x_odd, tl.trans(w_odd), input_precision="ieee")
-        ymask = (offs_t[:, None] < T) & (offs_n[None, :] < N)
+        q_base = q_ptr + m * T * K
+        r_base = r_ptr + m * T * (K // 32)
+        for g in range(0, K // 32):                                  # one 32-block of inputs per step
+            codes = tl.load(c_base + offs_n[:, None] * (K // 2) + g * 16 + offs_j[None, :], mask=nmask[:, None], other=0)
+            q_even = tl.load(q_base + offs_t[:, None] * K + 32 * g + 2 * offs_j[None, :], mask=tmask[:, None], other=0.0)
+            q_odd = tl.load(q_base + offs_t[:, None] * K + 32 * g + 2 * offs_j[None, :] + 1, mask=tmask[:, None], other=0.0)
+            lane = tl.dot(q_even, tl.trans(_e2m1_x2(codes & 15)), input_precision="ieee") \
+                + tl.dot(q_odd, tl.trans(_e2m1_x2(codes >> 4)), input_precision="ieee")   # [BLOCK_T, BLOCK_N] exact integers
+            ws = _e8m0_bits(tl.load(s_base + offs_n * (K // 32) + g, mask=nmask, other=127))
+            xr = tl.load(r_base + offs_t * (K // 32) + g, mask=tmask, other=0.0)          # s / 2
+            acc += lane * (xr[:, None] * ws[None, :])
+        ymask = tmask[:, None] & nmask[None, :]
         tl.store(y_ptr + m * T * N + offs_t[:, None] * N + offs_n[None, :], acc, mask=ymask)
 
     @triton.jit
@@ -91,19 +103,21 @@ def _require_triton():
 
 
 def fp4_slot_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor,
-                    block_n: int = 32, block_k: int = 64) -> torch.Tensor:
-    """x [M, T, K], codes [S, N, K/2] u8, scales [S, N, K/32] u8, slots [M] -> y [M, T, N] float32."""
+                    block_n: int = 32) -> torch.Tensor:
+    """x [M, T, K], codes [S, N, K/2] u8, scales [S, N, K/32] u8, slots [M] -> y [M, T, N] float32, y[m]
+    = quantize_act(x[m]) @ W_{slots[m]}^T: x quantized per 32-block (kernels/formats.py act_parts)."""
     _require_triton()
     M, T, K = x.shape
     S, N, Kh = codes.shape
-    if Kh * 2 != K or scales.shape != (S, N, K // 32) or slots.shape != (M,) or K % block_k:
+    if Kh * 2 != K or scales.shape != (S, N, K // 32) or slots.shape != (M,) or K % 32:
         raise ValueError(f"fp4_slot_matmul: x {tuple(x.shape)}, codes {tuple(codes.shape)}, "
                          f"scales {tuple(scales.shape)}, slots {tuple(slots.shape)} do not fit")
+    q, s = act_parts(x)
     block_t = max(16, triton.next_power_of_2(T))
     y = torch.empty(M, T, N, dtype=torch.float32, device=x.device)
     grid = (M, triton.cdiv(N, block_n))
-    _fp4_slot_kernel[grid](x.contiguous(), codes.contiguous(), scales.contiguous(), slots.to(torch.int32).contiguous(),
-                           y, T, N, K, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k)
+    _fp4_slot_kernel[grid](q.contiguous(), (s * 0.5).contiguous(), codes.contiguous(), scales.contiguous(),
+                           slots.to(torch.int32).contiguous(), y, T, N, K, BLOCK_T=block_t, BLOCK_N=block_n)
     return y
 
 

@@ -120,9 +120,10 @@ class TritonSlots:
             for j, (t, _) in enumerate(groups[s]):
                 xs[m, j] = xt[t]
         sl = torch.tensor(slots, device=self.device)
-        h = fp4_slot_matmul(quantize_act(xs), self.w13c, self.w13s, sl)            # [M, Tm, 2I]
-        a = torch.nn.functional.silu(h[..., :self.I]) * h[..., self.I:]
-        d = fp4_slot_matmul(quantize_act(a).contiguous(), self.w2c, self.w2s, sl)   # [M, Tm, H]
+        h = fp4_slot_matmul(xs, self.w13c, self.w13s, sl)                          # [M, Tm, 2I], inputs quantized
+        g = h[..., :self.I]
+        a = g / (1.0 + torch.exp(-g)) * h[..., self.I:]                          # SwiGLU as the CPU kernel writes it
+        d = fp4_slot_matmul(a.contiguous(), self.w2c, self.w2s, sl)              # [M, Tm, H]
         for m, s in enumerate(slots):
             for j, (t, k) in enumerate(groups[s]):
                 y[t] += float(wts[t, k]) * d[m, j]

@@ -65,8 +65,14 @@ def test_a_cache_smaller_than_the_call_runs_in_rounds(tiny_dir, monkeypatch, ker
 
 # The device path through the Engine (offload and hybrid, caches smaller than a call, all of it), the
 # Triton slots standing in for the GPU on CPU tensors: greedy tokens equal the float64 reference's and
-# logits within the runtime's tolerance. Pinned host banks need CUDA (torch pins only with a driver),
-# so they run in scripts/gpu_check.sh on a lent GPU machine, not here.
+# logits within FLIP_TOL. Each expert call agrees with the CPU kernel's to ~1e-7 on the same inputs (the
+# tests above), but an expert input is rounded to int8 per 32-block: a 1e-7 difference upstream (the
+# order of a float32 sum) can move one value across a rounding boundary, one quantum (1/127 of its
+# block's max), and on tiny one such step moves the logits by ~2-3e-3 (seen on the Zen 2 VM: hybrid
+# 3.2e-3 where every call agreed to 1.8e-7). Every slot read one off moved them by ~1 there. Pinned
+# host banks need CUDA (torch pins only with a driver), so they run in scripts/gpu_check.sh on a lent
+# GPU machine, not here.
+FLIP_TOL = 1e-2
 DEVICE_COVER = [Plan(moe_strategy="offload", slot_cache_experts=2, prefill_chunk=512),
                 Plan(moe_strategy="hybrid", slot_cache_experts=20, fetch_fraction=0.5, prefill_chunk=512, host_expert_budget_gib=0.0004),
                 Plan(moe_strategy="offload", slot_cache_experts=128, prefill_chunk=512, cpu_threads=1)]
@@ -90,7 +96,7 @@ def test_the_device_path_through_the_engine(tiny_dir, monkeypatch, plan):
     finally:
         e.close()
     assert out.tokens == ref.tokens
-    assert max((a.double().cpu() - b).abs().max().item() for a, b in zip(out.logits, ref.logits)) < 1e-3
+    assert max((a.double().cpu() - b).abs().max().item() for a, b in zip(out.logits, ref.logits)) < FLIP_TOL
     assert out.phases.get("device_moe", 0) > 0 or out.prefill_phases.get("device_moe", 0) > 0
 
 
