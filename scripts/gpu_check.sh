@@ -18,9 +18,10 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 CK=${CK:-/tmp/dsv41-gpu-tiny}
 PY=${PYTHON:-python3}
-"$PY" -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-')" | tee "$OUT/device.txt"
+"$PY" -c "import torch, numpy, numba; print(torch.__version__, torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-', 'numpy', numpy.__version__, 'numba', numba.__version__)" | tee "$OUT/device.txt"
+"$PY" -c "import triton; print('triton', triton.__version__)" >> "$OUT/device.txt" 2>&1
 "$PY" -m runtime.cli.checkpoint make --preset tiny --out "$CK" --seed 0 || exit 1
-timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_triton_gpu.py tests/runtime/test_device_slots.py \
+timeout 300 "$PY" -m pytest -q -p no:cacheprovider --durations=15 tests/kernels/test_triton_gpu.py tests/runtime/test_device_slots.py \
   tests/runtime/test_runtime.py tests/runtime/test_memory.py 2>&1 | tee "$OUT/pytest.log"
 i=0
 for plan in '{"moe_strategy": "cpu", "prefill_chunk": 16}' \
@@ -28,14 +29,14 @@ for plan in '{"moe_strategy": "cpu", "prefill_chunk": 16}' \
             '{"moe_strategy": "hybrid", "slot_cache_experts": 32, "fetch_fraction": 0.5, "vram_budget_gib": 32}'; do
   i=$((i + 1))
   echo "$plan" > "$OUT/plan-$i.json"
-  "$PY" -m runtime.cli.run --checkpoint "$CK" --plan "$OUT/plan-$i.json" --prompt-tokens 200 --max-tokens 32 --json \
+  timeout 90 "$PY" -m runtime.cli.run --checkpoint "$CK" --plan "$OUT/plan-$i.json" --prompt-tokens 200 --max-tokens 32 --json \
     > "$OUT/run-$i.json" 2> "$OUT/run-$i.err" || echo "run $i failed (see run-$i.err)"
 done
-"$PY" benchmarks/gpu_kernels.py > "$OUT/gpu_kernels.json" 2>&1 || echo "gpu_kernels failed"
+timeout 90 "$PY" benchmarks/gpu_kernels.py > "$OUT/gpu_kernels.json" 2>&1 || echo "gpu_kernels failed"
 "$PY" -c "
 import json; from kernels.stream import dram_stream_read; from hostinfo import usable_cores
 m = dram_stream_read(usable_cores(), repeats=3)
 print(json.dumps({'dram_stream_read_gbs': m.to_dict()}))" > "$OUT/probes.json" 2>&1 || echo "probes failed"
-timeout 300 "$PY" -m autotune.cli profile --checkpoint "$CK" --quick --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1 \
+timeout 200 "$PY" -m autotune.cli profile --checkpoint "$CK" --quick --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1 \
   || echo "profile failed (see profile.log)"
 tail -3 "$OUT/pytest.log"
