@@ -60,10 +60,10 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     e = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(1e-300))) - 2, torch.full_like(amax, -127))
     e = e.clamp(-127, 127)
     x = (g / torch.pow(2.0, e)).clamp(-E2M1_MAX, E2M1_MAX)
-    mag = E2M1_VALUES[:8]
+    mag = E2M1_VALUES[:8].to(x.device)
     d = (x.abs().unsqueeze(-1) - mag).abs()                      # [..., G, 32, 8]
     # nearest magnitude; on a tie prefer the even code (mantissa bit 0)
-    tie_break = (torch.arange(8, dtype=torch.float64) % 2) * 1e-12
+    tie_break = (torch.arange(8, dtype=torch.float64, device=x.device) % 2) * 1e-12
     code = torch.argmin(d + tie_break, dim=-1).to(torch.uint8)
     code = code | ((x < 0) & (code > 0)).to(torch.uint8) << 3
     code = code.reshape(*w.shape[:-1], K)
@@ -80,7 +80,7 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """(codes [..., K/2], scales [..., K/32]) -> w [..., K] in dtype (float64 for references)."""
-    vals = E2M1_VALUES.to(dtype)[unpack_e2m1(packed).long()]
+    vals = E2M1_VALUES.to(dtype=dtype, device=packed.device)[unpack_e2m1(packed).long()]
     s = e8m0_to_float(scales, dtype).repeat_interleave(FP4_GROUP, dim=-1)
     return vals * s
 
@@ -176,7 +176,7 @@ def quantize_fp4_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s8 = (g.abs().amax(-1, keepdim=True) / E2M1_MAX).to(torch.float32).to(torch.float8_e4m3fn)
     s = s8.to(torch.float64)
     y = torch.where(s > 0, g / torch.where(s > 0, s, 1.0), 0.0)
-    code = torch.bucketize(y.abs().clamp(max=E2M1_MAX), _E2M1_MIDPOINTS).to(torch.uint8)
+    code = torch.bucketize(y.abs().clamp(max=E2M1_MAX), _E2M1_MIDPOINTS.to(y.device)).to(torch.uint8)
     code = (code | ((y < 0) & (code > 0)).to(torch.uint8) << 3).reshape(*x.shape[:-1], K)
     packed = code[..., 0::2] | (code[..., 1::2] << 4)
     return packed.contiguous(), s8.squeeze(-1).view(torch.uint8).contiguous()

@@ -300,8 +300,8 @@ class Engine:
     def _sample(logits, temperature, gen) -> int:
         if temperature <= 0:
             return int(torch.argmax(logits))
-        p = torch.softmax(logits.to(torch.float64) / temperature, -1)
-        return int(torch.multinomial(p, 1, generator=gen))
+        p = torch.softmax(logits.to(device="cpu", dtype=torch.float64) / temperature, -1)   # the CPU's generator:
+        return int(torch.multinomial(p, 1, generator=gen))                                  # one seed, one sample, any device
 
     def close(self):
         if hasattr(self.experts, "close"):

@@ -74,7 +74,7 @@ def distill_drafter(root, n_tokens: int | None = None) -> dict:
     try:
         tok = Tokenizer.from_file(str(ck.root / "tokenizer.json"))
         prompt = make_prompt(tok, n, seed=12345)
-        eng = Engine(ck, Plan(max_context=n + 8, prefill_chunk=n, cpu_threads=1))
+        eng = Engine(ck, Plan(max_context=n + 8, prefill_chunk=n, cpu_threads=1), device="cpu")   # the same bytes on any host
         st = eng.model.new_state(n + 8)
         with torch.inference_mode():
             eng.model.forward(st, prompt)

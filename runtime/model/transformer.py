@@ -59,7 +59,7 @@ def _inv_freq(d: int, theta: float) -> torch.Tensor:
 
 def rope_tables(pos, d: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) [T, d] of integer positions pos [T] (computed in float64, then cast)."""
-    ang = pos.to(torch.float64)[:, None] * _inv_freq(d, theta)[None]       # [T, d]
+    ang = pos.to(torch.float64)[:, None] * _inv_freq(d, theta).to(pos.device)[None]   # [T, d]
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
 

@@ -22,7 +22,12 @@ from runtime.engine import Engine
 from runtime.plan import Plan, PlanError
 from runtime.workload import make_prompt
 
-TOL = 1.5e-3
+# Logits against the float64 reference. On a CUDA host the dense linears and attention run on the GPU
+# (cuBLAS, Triton) and sum in other orders: an expert input then lands on the other side of an int8
+# rounding step more often (tests/runtime/test_device_slots.py FLIP_TOL says why and how far it moves).
+# The prompts are chosen for a greedy margin of MARGIN on the CPU's tolerance either way.
+TOL = 2e-2 if cuda_available() else 1.5e-3
+MARGIN = 5 * 1.5e-3
 STEPS = 64
 
 
@@ -44,7 +49,7 @@ def case(ck, ref):
         prompt = make_prompt(tok, 40, seed=seed)
         r = ref.generate(prompt, STEPS, keep_logits=True)
         margin = min(float(v[0] - v[1]) for v in (torch.topk(l, 2).values for l in r.logits))
-        if margin > 5 * TOL and len(set(r.tokens)) >= 16:
+        if margin > MARGIN and len(set(r.tokens)) >= 16:
             return prompt, r
     pytest.fail("no prompt with a safe greedy margin among 20 seeds")
 
@@ -112,7 +117,7 @@ def test_no_exact_knob_changes_greedy_output(ck, case, plan):
         e.close()
     assert out.tokens == r.tokens
     for step, (a, b) in enumerate(zip(out.logits, r.logits)):
-        assert (a.double() - b).abs().max() < TOL, step
+        assert (a.double().cpu() - b).abs().max() < TOL, step
     all_cached = plan.slot_cache_experts >= 128
     if plan.host_expert_budget_gib is not None and not all_cached:
         assert out.phases.get("nvme_read", 0) > 0              # the NVMe tier really served experts
@@ -136,7 +141,7 @@ def test_bounded_replay_is_opt_in_and_measured(ck, case):
     assert not Plan(prefill_mode="bounded_replay").exact and Plan().exact
     divergence = (replay.logits[0] - full.logits[0]).abs().max().item()
     assert 1e-4 < divergence                                   # it changes output: that is why it is opt-in
-    assert np.isfinite(replay.logits[0].numpy()).all()
+    assert np.isfinite(replay.logits[0].cpu().numpy()).all()
 
 
 def test_sparse_path_is_exercised(ck, ref, case):
