@@ -5,7 +5,8 @@
 #   device.txt        torch / CUDA / device name
 #   pytest.log        every CUDA-capable test: Triton kernels, the Triton slot cache, the runtime vs reference,
 #                     the device's dense weights against the plan's count
-#   run-*.json        dsv41-run with three plans on a tiny checkpoint (one with a 32 GiB vram_budget)
+#   runs.jsonl        dsv41-run with three plans on a tiny checkpoint (one with a 32 GiB vram_budget), a line each;
+#   runs.err          their logs (8 files at most come back from a lent machine: these are the 8)
 #   gpu_kernels.json  the Triton kernels against the device copy bandwidth
 #   probes.json       the DRAM stream read probe
 #   profile.json      dsv41-tune profile --quick: GPU memory read and bf16 matmul, PCIe copies, the expert
@@ -23,14 +24,16 @@ PY=${PYTHON:-python3}
 "$PY" -m runtime.cli.checkpoint make --preset tiny --out "$CK" --seed 0 || exit 1
 timeout 300 "$PY" -m pytest -q -p no:cacheprovider --durations=15 tests/kernels/test_triton_gpu.py tests/runtime/test_device_slots.py \
   tests/runtime/test_runtime.py tests/runtime/test_memory.py 2>&1 | tee "$OUT/pytest.log"
-i=0
+i=0                        # at most 8 files come back from a lent machine: the runs share two
+: > "$OUT/runs.jsonl"; : > "$OUT/runs.err"
 for plan in '{"moe_strategy": "cpu", "prefill_chunk": 16}' \
             '{"moe_strategy": "offload", "slot_cache_experts": 64, "prefill_chunk": 7}' \
             '{"moe_strategy": "hybrid", "slot_cache_experts": 32, "fetch_fraction": 0.5, "vram_budget_gib": 32}'; do
   i=$((i + 1))
-  echo "$plan" > "$OUT/plan-$i.json"
-  timeout 90 "$PY" -m runtime.cli.run --checkpoint "$CK" --plan "$OUT/plan-$i.json" --prompt-tokens 200 --max-tokens 32 --json \
-    > "$OUT/run-$i.json" 2> "$OUT/run-$i.err" || echo "run $i failed (see run-$i.err)"
+  echo "$plan" > "/tmp/dsv41-plan-$i.json"
+  echo "== run $i: $plan" >> "$OUT/runs.err"
+  timeout 90 "$PY" -m runtime.cli.run --checkpoint "$CK" --plan "/tmp/dsv41-plan-$i.json" --prompt-tokens 200 --max-tokens 32 --json \
+    >> "$OUT/runs.jsonl" 2>> "$OUT/runs.err" || echo "run $i failed (see runs.err)"
 done
 timeout 90 "$PY" benchmarks/gpu_kernels.py > "$OUT/gpu_kernels.json" 2>&1 || echo "gpu_kernels failed"
 "$PY" -c "
