@@ -73,7 +73,7 @@ class HostFigures:
     gpu: bool
     dram: float                       # GB/s
     cpu: float                        # CPU-MoE GB/s at this geometry and thread count
-    cpu_flops: float                  # FLOP/s (bf16 matmul: the dense path's ceiling without its own figure)
+    cpu_flops: float                  # FLOP/s (float32 matmul: the dense path's ceiling without its own figure)
     fixed: float                      # s per MoE layer call, this plan's strategy
     fixed_cpu: float                  # s per MoE layer call on the CPU path (the drafter's, prefill chunks' on the CPU)
     gather: float | None = None       # GB/s

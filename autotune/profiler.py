@@ -42,8 +42,11 @@ def _skipped(reason: str) -> dict:
 
 
 def _matmul_tflops(quick: bool) -> Measurement:
+    """The CPU's float32 matmul (the runtime's prefill tiles and attention on the CPU are float32: a bf16
+    figure would price what never runs, and without native bf16 it reads ~1 GFLOP/s against ~60 on the
+    Zen 2 VM)."""
     n = 1024 if quick else 2048
-    a, b = torch.randn(n, n, dtype=torch.bfloat16), torch.randn(n, n, dtype=torch.bfloat16)
+    a, b = torch.randn(n, n, dtype=torch.float32), torch.randn(n, n, dtype=torch.float32)
     m = measure(lambda: a @ b, repeats=5 if quick else 10, warmup=2)
     return m.map(lambda s: 2 * n ** 3 / s / 1e12, "TFLOP/s")
 
@@ -315,7 +318,7 @@ def run_profile(checkpoint, quick: bool = False, progress=None) -> dict:
     if blocking is not None:
         m["cpu_moe_inputs"] = blocking
     step("matmul")
-    m["matmul_tflops"] = _fig(_matmul_tflops(quick), dtype="bf16")
+    m["matmul_tflops"] = _fig(_matmul_tflops(quick), dtype="f32")
     step("dense path, attention vs context (runtime)")
     m.update(_forward_terms(ck, quick))
     step("MoE fixed cost per layer, each strategy (runtime path)")
@@ -377,7 +380,7 @@ def summary_rows(profile: dict) -> list[tuple[str, str]]:
             continue
         rows.append((f"CPU-MoE {e['geometry']} x{e['tokens']} t{e['threads']}",
                      noted(e) + (f"  {e['extra'].get('gflops', 0):.0f} GFLOP/s" if "extra" in e else "")))
-    rows += [("matmul bf16", f(m["matmul_tflops"])), ("dense path per token (runtime)", f(m.get("dense_path_gbs"))),
+    rows += [("matmul f32", f(m["matmul_tflops"])), ("dense path per token (runtime)", f(m.get("dense_path_gbs"))),
              *((f"MoE fixed per layer ({k})", f(v)) for k, v in (m.get("moe_fixed_us") or {"cpu": m["moe_dispatch_fixed_us"]}).items()),
              ("attention per token vs context", ", ".join(f"{p['context']}: {1e3 * p['median']:.2f} ms" for p in
                                                           (m.get("attention_s_per_token") or {}).get("points", [])) or "-"),
