@@ -2,8 +2,8 @@
 
 run_profile(checkpoint, quick) measures: DRAM stream read; the CPU-MoE kernel at the checkpoint's
 expert geometry and always at the full V4.1 and V4-Flash geometries (batch 1, verify widths, prefill
-widths; swept over threads); bf16 matmul throughput; through the runtime's own paths
-(autotune/probes/runtime_paths.py): the dense path, attention vs context and the per-layer overhead of a
+widths; swept over threads); float32 matmul throughput (the dtype the runtime's CPU prefill runs);
+through the runtime's own paths (autotune/probes/runtime_paths.py): the dense path, attention vs context and the per-layer overhead of a
 decode forward, each MoE strategy's fixed cost per layer call, and a routing trace; PCIe copies and expert gather when CUDA is present (skipped with the reason
 otherwise, never zero); CPU-MoE contended with NVMe reads (and with PCIe gather on GPU hosts); NVMe
 random 4 KiB reads at queue depths 1..64, the Engram row pattern serial vs batched, a prefill row
