@@ -8,8 +8,9 @@ on the same file at the same depths: `--ioengine=libaio --iodepth=D`, `--ioengin
 `--ioengine=psync --numjobs=D` (D reads in flight), interleaved over `--nvme-rounds` rounds; the ratio
 is of medians, to the best engine. DRAM: the
 profiler's stream probe against a compiled C/OpenMP read reduction over the same buffer size
-(benchmarks/ref/stream_read.c, built here with gcc) and likwid-bench's load kernels (every width it
-has, on the same thread count and size) where installed, all interleaved over `--rounds` rounds.
+(benchmarks/ref/stream_read.c, built here with gcc) and likwid-bench's read kernels (`load`: one stream
+per thread, `ddot`: two; every width it has, on the same thread count and size) where installed, all
+interleaved over `--rounds` rounds.
 One rule on every side: each variant's samples pooled over the rounds (the probe's sub-streams per
 thread x load widths, the C reference's 1, 2 and 4 sub-streams per thread, likwid's kernels), the
 variant with the best median compared (a best-of per sample would lift the noisier side); the ratio
@@ -47,9 +48,11 @@ def fio(path, engine, depth, seconds):
 
 
 def likwid(threads, nbytes):
-    """-> {kernel: GB/s} for likwid-bench's read kernels on `threads` threads over `nbytes` (those that run here)."""
+    """-> {kernel: GB/s} for likwid-bench's read kernels on `threads` threads over `nbytes` (those that run
+    here): `load*` read one stream per thread, `ddot*` (a dot product of two vectors: loads only) two; which
+    reads DRAM faster is a fact of the host (the probe tries 1, 2 and 4 sub-streams per thread too)."""
     out = {}
-    for kernel in ("load_avx512", "load_avx", "load"):
+    for kernel in ("load_avx512", "load_avx", "load", "ddot_avx512", "ddot_avx", "ddot"):
         r = subprocess.run(["likwid-bench", "-t", kernel, "-w", f"N:{nbytes // 2**20}MB:{threads}"],
                            capture_output=True, text=True)
         rates = [float(line.split()[-1]) for line in r.stdout.splitlines() if line.startswith("MByte/s")]
