@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels import decode_attn, indexer_top, latent_rows, norms, router, window_keys
+from kernels import decode_attn, indexer_top, kv_quant, latent_rows, norms, router, window_keys
 from kernels.cpu_moe import Fp4Bank, expert_ffn
 from kernels.fp8_dense import TILE_MIN_TOKENS, Fp8Weight, fp8_linear
 
@@ -41,3 +41,5 @@ def _decode_step(rng) -> None:
     indexer_top.select_one(codes, scale, indexer_top.E4M3, f32(2, 16), f32(2), f32(6), 3, np.empty(3, np.int64), np.empty(3, np.bool_))
     latent_rows.selected(rng.integers(0, 256, (6, 8), dtype=np.uint8), np.full((6, 1), 56, np.uint8),
                          np.arange(3, dtype=np.int64), f32(3, 8), f32(3, 8), f32(3, 16), f32(3, 16))
+    kv_quant.fp4_e4m3(torch.from_numpy(f32(1, 16)))                          # a compressed row's formats
+    kv_quant.fp8_rowscale(torch.from_numpy(f32(1, 16)))
