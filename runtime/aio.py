@@ -1,5 +1,7 @@
 """Kernel AIO (the engine of fio's `libaio`) through raw syscalls: one thread keeps `depth` O_DIRECT
-reads in flight with io_submit / io_getevents, in compiled code (no GIL, no library to install).
+reads in flight with io_submit / io_getevents, in compiled code (no GIL, no library to install). As
+in runtime/uring.py (and fio), each read is submitted as soon as a slot is free (SUBMIT_BATCH) and the
+loop blocks for events only when `depth` are in flight.
 
 Threads looping over pread (runtime/io_reader.py's fallback) need one thread per read in flight; on a
 2-core VM they reached 0.73-0.81 of fio's libaio at depth 8-64. Kernel AIO is asynchronous only for
@@ -31,6 +33,7 @@ SYSCALLS = {"x86_64": (206, 207, 208, 209), "aarch64": (0, 1, 4, 2)}
 NR = SYSCALLS.get(platform.machine())
 SYS_SUBMIT, SYS_GETEVENTS = (NR[3], NR[2]) if NR else (-1, -1)
 IOCB_CMD_PREAD = 0
+SUBMIT_BATCH = 1                  # reads per io_submit (runtime/uring.py says why)
 
 
 @njit(nogil=True)          # not cached: it holds ctypes function pointers
@@ -53,7 +56,7 @@ def _aio_batch(ctx, depth, fds, base, offs, dests, sizes, got, ns, timed, iocbs,
     pbase = ptrs.ctypes.data
     while done < nxt or nxt < n:
         if inflight < depth and nxt < n:
-            k = min(depth - inflight, n - nxt)
+            k = min(min(depth - inflight, n - nxt), SUBMIT_BATCH)   # (numba: a 3-argument min leaks the arrays' references)
             if timed:
                 _clock(1, ts.ctypes.data)
                 for j in range(nxt, nxt + k):
@@ -64,7 +67,10 @@ def _aio_batch(ctx, depth, fds, base, offs, dests, sizes, got, ns, timed, iocbs,
                 continue
             nxt += r
             inflight += r
-        r = _syscall(SYS_GETEVENTS, ctx, 1, depth, events.ctypes.data, 0, 0)
+        wait = 0
+        if inflight >= depth or nxt >= n:                        # block only with the queue full or all sent
+            wait = 1
+        r = _syscall(SYS_GETEVENTS, ctx, wait, depth, events.ctypes.data, 0, 0)
         if r < 0:
             return r
         if timed:
