@@ -5,7 +5,7 @@ are in flight: on the Zen 2 VM's virtio disk, refilling the queue 32 at a time r
 QD 32 where one at a time read 187-219 k (a C loop of each form, kernels/lab/README.md); the device
 starts on a read while the next is being prepared.
 
-Kernel AIO (runtime/aio.py) needs an io_submit and an io_getevents per round; here one syscall does
+Kernel AIO (runtime/aio.py) needs an io_submit and an io_getevents per read; here one syscall does
 both, and completions are read from shared memory. The rings are set up in Python (io_uring_setup,
 three mmaps); the loop runs in numba over numpy views of them. Where the kernel refuses io_uring
 (seccomp or containers commonly do; kernels before 5.6 lack IORING_OP_READ) `UringContext.open` says
