@@ -277,13 +277,14 @@ class PlacedExperts:
         """The CPU's share of a layer (runs in the worker thread, overlapping the device's share);
         `shared`: the shared expert too, in the host bank's call (weight 1, after the routed experts:
         the same sum as adding it to theirs)."""
-        y = np.zeros_like(x)
-        for n, (bank, group, rows) in enumerate(self._groups(layer, experts, host=shared)):
-            bank, sub, w = self._subset(x, ids, wts, group, rows, bank)
-            if shared and n == 0:
+        y, first = np.zeros_like(x), True
+        for bank, group, rows in self._groups(layer, experts, host=shared):   # not enumerate(): its result
+            bank, sub, w = self._subset(x, ids, wts, group, rows, bank)       # tuple holds the last batch while
+            if shared and first:                                               # the next is read
                 sub = np.concatenate([sub, np.full((len(x), 1), self.shared_row[layer], np.int64)], 1)
                 w = np.concatenate([w, np.ones((len(x), 1), np.float32)], 1)
             y += self._run(bank, x, sub, w, "cpu_moe")
+            first = False
             del bank, sub, w                  # before the next batch is read: one batch alive at a time
         return y
 
