@@ -12,7 +12,9 @@ was not calibrated on, and the regret of the tuner's pick.
 4. Regret: `dsv41-tune --quick` (same workload, this profile) picks; its pick and the grid's best are
    measured interleaved in one run; regret = (best - pick) / best, two-sided (negative: the pick beat
    the grid), beside the noise floor of those repeats.
-The grid stops at --max-minutes less the time the tuner needs (what was measured is used).
+The grid stops at --max-minutes less the time the tuner needs (what was measured is used), but not
+before MIN_GRID plans (a fitted half and a held-out half); with fewer admitted plans than that, the
+fidelity is not reported and says why.
 `--refit RESULT.json --profile HOST.json` recomputes step 3 from a saved run's grid with the current
 cost model (no new measurement): the loop for improving a term against one measured grid.
 """
@@ -40,6 +42,8 @@ from runtime.checkpoint.reader import Checkpoint  # noqa: E402
 from runtime.plan import Plan  # noqa: E402
 from runtime.profile import load_profile, save_profile  # noqa: E402
 from runtime.workload import Workload, make_prompt  # noqa: E402
+
+MIN_GRID = 2                                     # plans the grid measures whatever the time cap
 
 
 def grid(profile, fp, wl, n: int, seed: int) -> list[Plan]:
@@ -74,8 +78,11 @@ def errors(rows, profile, fp, wl) -> dict:
     return {"decode": statistics.median(dec), "ttft": statistics.median(ttft), "plans": len(rows)}
 
 
-def fidelity(rows, prof, fp, wl) -> dict:
-    """Per-term calibration fitted on the even rows, errors on the odd ones, raw and calibrated."""
+def fidelity(rows, prof, fp, wl) -> dict | None:
+    """Per-term calibration fitted on the even rows, errors on the odd ones, raw and calibrated; None
+    with fewer than MIN_GRID rows (no held-out half)."""
+    if len(rows) < MIN_GRID:
+        return None
     for r in rows:
         r["predicted"] = predict(r["plan"], prof, fp, wl, allow_inexact=True).to_dict()
     fit, held = rows[0::2], rows[1::2]
@@ -97,6 +104,8 @@ def refit(path, profile, checkpoint) -> dict:
     rows = [{"plan": Plan.from_dict(r["plan"]), "decode_tok_s": r["decode_tok_s"], "ttft_s": r["ttft_s"], "terms": r["terms"],
              **({"dspark_mean_accepted": r["dspark_mean_accepted"]} if r.get("dspark_mean_accepted") else {})} for r in d["grid"]]
     f = fidelity(rows, load_profile(profile), fp, wl)
+    if f is None:
+        sys.exit(f"{path}: {len(rows)} plan(s) in its grid; a fidelity needs {MIN_GRID}")
     for r in rows:
         p = r["plan"]
         print(f"{p.moe_strategy} chunk {p.prefill_chunk:5d} {p.engram_placement:11s} dspark {p.dspark and p.draft_length} "
@@ -141,7 +150,7 @@ def main(argv=None):
     rows = []
     t_grid_end = t0 + (args.max_minutes - args.tuner_minutes) * 60
     for plan in grid(prof, fp, wl, args.plans, args.seed):
-        if time.time() > t_grid_end:
+        if time.time() > t_grid_end and len(rows) >= MIN_GRID:
             print(f"time cap: the grid stops after {len(rows)} plans", flush=True)
             break
         r = measure_plans(ck, [plan], wl, prompt, args.repeats)[0]
@@ -153,6 +162,8 @@ def main(argv=None):
               f"experts {'all' if p.host_expert_budget_gib is None else f'{p.host_expert_budget_gib:.1f} GiB'}"
               f" -> {r['decode_tok_s']:6.2f} tok/s (pred {r['predicted']['decode_tok_s']:6.2f}), "
               f"TTFT {r['ttft_s']:6.2f} s (pred {r['predicted']['ttft_s']:6.2f})", flush=True)
+    if not rows:
+        sys.exit("the cost model admitted no plan of the tuner's space on this host for this workload: nothing to measure")
     fidelity_ = fidelity(rows, prof, fp, wl)
     best = max(rows, key=lambda r: r["decode_tok_s"])
     print("the tuner (dsv41-tune --quick, this profile)", flush=True)
@@ -170,9 +181,12 @@ def main(argv=None):
                     for r in rows],
            "minutes": (time.time() - t0) / 60}
     f = fidelity_
-    print(f"held-out half ({f['raw']['plans']} plans): median |pred - meas| / meas  decode {100 * f['raw']['decode']:.1f}% raw, "
-          f"{100 * f['calibrated']['decode']:.1f}% calibrated; TTFT {100 * f['raw']['ttft']:.1f}% raw, "
-          f"{100 * f['calibrated']['ttft']:.1f}% calibrated")
+    if f is None:
+        print(f"fidelity not reported: {len(rows)} plan(s) measured, it needs {MIN_GRID} (the cost model admitted no more here)")
+    else:
+        print(f"held-out half ({f['raw']['plans']} plans): median |pred - meas| / meas  decode {100 * f['raw']['decode']:.1f}% raw, "
+              f"{100 * f['calibrated']['decode']:.1f}% calibrated; TTFT {100 * f['raw']['ttft']:.1f}% raw, "
+              f"{100 * f['calibrated']['ttft']:.1f}% calibrated")
     print(f"grid best {best_tok:.2f} tok/s, tuner's pick {pick_tok:.2f} (measured {'interleaved' if out['interleaved'] else 'in turn'})"
           f" -> regret {100 * out['regret']:+.1f}% (noise floor {100 * out['noise_floor']:.1f}%); {out['minutes']:.1f} min")
     if args.json:
