@@ -2,8 +2,8 @@
 reads in flight, in compiled code (no liburing needed). As fio does by default, each read is submitted
 as soon as a slot is free (one io_uring_enter each, SUBMIT_BATCH) and the loop waits only when `depth`
 are in flight: on the Zen 2 VM's virtio disk, refilling the queue 32 at a time read 150-162 k IOPS at
-QD 32 where one at a time read 187-219 k (kernels/lab/uring_submit.c, a C loop of each form); the device
-starts on a read while the next is being prepared.
+QD 32 where one at a time read 187-219 k (kernels/lab/uring_submit.c, a C loop of each form; likely,
+not traced: a batch reaches the virtio device as one notification, so its first reads wait for its last).
 
 Kernel AIO (runtime/aio.py) needs an io_submit and an io_getevents per read; here one syscall does
 both, and completions are read from shared memory. The rings are set up in Python (io_uring_setup,
