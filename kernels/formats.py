@@ -163,7 +163,7 @@ def dequantize_fp8_rows(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float3
 # channels (uint8 [..., K/16], the scale's float8_e4m3fn bits). Scale = amax/6 rounded to E4M3;
 # elements round to the nearest E2M1 value (ties toward the smaller magnitude) and saturate at 6.
 KV_FP4_GROUP = 16
-_E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float64)
+E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float64)
 
 
 def quantize_fp4_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,7 +176,7 @@ def quantize_fp4_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s8 = (g.abs().amax(-1, keepdim=True) / E2M1_MAX).to(torch.float32).to(torch.float8_e4m3fn)
     s = s8.to(torch.float64)
     y = torch.where(s > 0, g / torch.where(s > 0, s, 1.0), 0.0)
-    code = torch.bucketize(y.abs().clamp(max=E2M1_MAX), _E2M1_MIDPOINTS.to(y.device)).to(torch.uint8)
+    code = torch.bucketize(y.abs().clamp(max=E2M1_MAX), E2M1_MIDPOINTS.to(y.device)).to(torch.uint8)
     code = (code | ((y < 0) & (code > 0)).to(torch.uint8) << 3).reshape(*x.shape[:-1], K)
     packed = code[..., 0::2] | (code[..., 1::2] << 4)
     return packed.contiguous(), s8.squeeze(-1).view(torch.uint8).contiguous()

@@ -21,9 +21,9 @@ from numba import njit
 
 from kernels.arrays import numba_ok
 from kernels.cpu_moe import CACHE
-from kernels.formats import _E2M1_MIDPOINTS, E2M1_MAX, E4M3_MAX, KV_FP4_GROUP, quantize_fp4_e4m3, quantize_fp8_rowscale
+from kernels.formats import E2M1_MAX, E2M1_MIDPOINTS, E4M3_MAX, KV_FP4_GROUP, quantize_fp4_e4m3, quantize_fp8_rowscale
 
-MIDPOINTS = _E2M1_MIDPOINTS.numpy()          # between E2M1's magnitudes: a code counts those below |y| (bucketize's rule)
+MIDPOINTS = E2M1_MIDPOINTS.numpy()          # between E2M1's magnitudes: a code counts those below |y| (bucketize's rule)
 E4M3_F64 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float64).numpy()
 
 
