@@ -138,6 +138,8 @@ def main(argv=None):
     ap.add_argument("--inputs", default="measured", choices=["measured", "4", "8"],
                     help="the CPU-MoE inputs per row decode (Plan.cpu_moe_inputs; rows in order only); measured: as the tuner picks it")
     ap.add_argument("--rounds", type=int, default=3, help="engine runs, each followed by its limits (stream, kernels)")
+    ap.add_argument("--unfused", action="store_true",
+                    help="decode layers without the fused calls (runtime/model/decode.py): what they save, measured")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.max_tokens < 2:
@@ -171,6 +173,7 @@ def main(argv=None):
         engine.close()
         plan = plan.replace(cpu_moe_streams=streams, cpu_moe_inputs=inputs)
         engine = Engine(ck, plan)
+    engine.model.fuse_decode = not args.unfused
     engine.generate(prompt, 4)                                   # warm: compile, page in
     # --- standalone kernels, interleaved with the engine's runs: round i's ratios divide by round i's limits
     banks = [b for b in engine.experts.host if b is not None]   # every layer's bank in turn: fresh experts
@@ -254,7 +257,7 @@ def main(argv=None):
            "cpu_moe_inputs": inputs,
            "reference": {"moe_banks": len(banks), "moe_rotation_bytes": moe_span, "dense_copies": copies,
                          "dense_rotation_bytes": copies * dense_bytes_rt, "llc_bytes": llc_bytes(), "note": ref_note},
-           "prefill_bound": "flop" if t_flop > t_bytes else "bytes", "threads": T,
+           "prefill_bound": "flop" if t_flop > t_bytes else "bytes", "threads": T, "fused_decode": not args.unfused,
            "phases_per_token_s": {k: v / (args.max_tokens - 1) for k, v in last.items() if not k.endswith("_us")},
            "outside_phases_per_layer_us": last["outside_phases_per_layer_us"],
            "rounds": [{k: v for k, v in rd.items() if k != "phases"} for rd in rounds]}

@@ -76,3 +76,20 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, out: np.ndarray) -> np
     and sum rounded as torch's elementwise form rounds it (no fused multiply-add): the same bits."""
     _rope(x, cos, sin, out)
     return out
+
+
+@njit(nogil=True, cache=CACHE)
+def _rope_tables(pos, inv_freq, cos, sin):
+    for t in range(pos.shape[0]):
+        a = np.float64(pos[t])
+        for c in range(inv_freq.shape[0]):
+            ang = a * inv_freq[c]
+            cos[t, c] = np.cos(ang)
+            sin[t, c] = np.sin(ang)
+
+
+def rope_tables(pos: np.ndarray, inv_freq: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
+    """RoPE's tables of integer positions pos [T]: angle = pos x inv_freq [d] in float64, its cosine and
+    sine (the C library's) rounded to the outputs' dtype: cos, sin [T, d]. Every CPU path (prefill
+    chunks, decode steps, selected rows) takes its tables here, so they agree to the bit."""
+    _rope_tables(pos, inv_freq, cos, sin)

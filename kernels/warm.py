@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels import decode_attn, indexer_top, kv_quant, latent_rows, norms, router, window_keys
-from kernels.cpu_moe import Fp4Bank, expert_ffn
+from kernels import decode_attn, decode_layer, indexer_top, kv_quant, latent_rows, norms, router, window_keys
+from kernels.cpu_moe import STAB, Fp4Bank, expert_ffn
 from kernels.fp8_dense import TILE_MIN_TOKENS, Fp8Weight, fp8_linear
 
 
@@ -43,3 +43,23 @@ def _decode_step(rng) -> None:
                          np.arange(3, dtype=np.int64), f32(3, 8), f32(3, 8), f32(3, 16), f32(3, 16))
     kv_quant.fp4_e4m3(torch.from_numpy(f32(1, 16)))                          # a compressed row's formats
     kv_quant.fp8_rowscale(torch.from_numpy(f32(1, 16)))
+    _fused_layer(rng, f32)
+
+
+def _fused_layer(rng, f32) -> None:
+    """kernels/decode_layer.py's two calls, every weight given (an index and source layer)."""
+    u8 = lambda *shape: rng.integers(0, 0x7e, shape, dtype=np.uint8)             # noqa: E731
+    fp8 = lambda n, k: (u8(n, k), np.full((-(-n // 32), k // 32), 120, np.uint8))  # noqa: E731
+    bf16 = lambda n, k: (f32(n, k).view(np.uint32) >> 16).astype(np.uint16)      # noqa: E731
+    H, C, Q, HQ = 64, 32, 32, 2
+    decode_layer.attn_in(f32(1, H), f32(H), f32(C), 1e-6, 32, 32, STAB, f32(1, C // 2), f32(1, C // 2),
+                         *fp8(Q, H), *fp8(HQ * C, Q), *fp8(C, H), *fp8(C, Q), bf16(2, H), *fp8(C, H), *fp8(C, H),
+                         f32(1, H), f32(1, Q), f32(1, HQ, C), f32(1, C), f32(1, C), f32(1, C), f32(1, 2), f32(1, C), f32(1, C))
+    decode_layer.attn_out(f32(1, H), f32(1, HQ * C), *fp8(H, HQ * C), 32, 32, STAB, f32(H), 1e-6, bf16(8, H), f32(8), 1.0,
+                          f32(1, H), f32(1, H), np.empty((1, 2), np.int64), f32(1, 2))
+    ring = (f32(4, C), f32(4, C), np.arange(4, dtype=np.int64))
+    for n_vis, r in ((6, 1), (-1, 0), (-1, -1)):                      # an index layer, a reuse layer, a window layer
+        decode_layer.attend_one(5, 4, 0.25, f32(HQ, C), f32(C), f32(C), *ring, f32(9, C), f32(9, C), f32(HQ, C),
+                                n_vis, u8(6, 16), np.ones(6, np.float32), indexer_top.E4M3, f32(2, 16), f32(2),
+                                np.zeros(4, np.int64), np.ones(4, np.bool_), r, u8(6, C // 2), np.full((6, C // 16), 56, np.uint8),
+                                latent_rows.PAIRS, indexer_top.E4M3, 16, np.ones(C // 2), 2)

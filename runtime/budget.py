@@ -139,10 +139,23 @@ def forward_shared_bytes(plan: Plan, fp: Footprint, itemsize: int = 4) -> int:
     return step_tokens(plan) * C * itemsize + S * (k + R + 1) * 2 * C * itemsize
 
 
+def decode_work_bytes(plan: Plan, fp: Footprint) -> int:
+    """The fused decode's intermediates (runtime/model/decode.py `Work`), held by the model between
+    forwards for its last decode width S <= min(max_num_seqs, decode_layer.MAX_ROWS), per row: a, m [H],
+    q, o [Hq C], ql [q], cw, kn, lat [C], qi [Hi Di], wh [Hi], ik [Di] floats, ids, wts [K] (12 B) and
+    each index layer's top rows [k] (ids and flags, 9 B)."""
+    from kernels.decode_layer import MAX_ROWS       # here: the kernels bring numba and torch, this module stays light
+    S = min(plan.max_num_seqs, MAX_ROWS)
+    H, C, HqC = fp.hidden_size, fp.kv_lora_rank, fp.num_attention_heads * fp.kv_lora_rank
+    floats = 2 * H + 2 * HqC + fp.q_lora_rank + 3 * C + fp.index_n_heads * (fp.index_head_dim + 1) + fp.index_head_dim
+    return S * (4 * floats + 12 * fp.top_k + 9 * fp.index_topk * len(fp.index_ratios))
+
+
 def _forward_terms(plan: Plan, fp: Footprint) -> dict:
     """The largest forward's temporaries (T = the prefill chunk, or a DSpark verify pass), by kind:
     residual  the residual stream, its norms and projections (8 [T, max(H, Hq C)] floats), the
-              Engram rows prefetched for every layer (float32), and what the forward's layers share
+              Engram rows prefetched for every layer (float32), the fused decode's held
+              intermediates (`decode_work_bytes`), and what the forward's layers share
               (runtime/model/transformer.py): the RoPE tables [T, C] (cos and sin, C/2 each) and a
               decode batch's rows [S, k + R + 1, C] x 2 (keys, values: the selected rows, held
               through the MoE of the layers that reuse them, then each layer's window keys)
@@ -156,7 +169,8 @@ def _forward_terms(plan: Plan, fp: Footprint) -> dict:
     width = max(fp.hidden_size, fp.num_attention_heads * fp.kv_lora_rank, fp.q_lora_rank)
     engram_reads = (T * fp.engram_bytes_per_token // fp.engram_row_bytes * IO_BLOCK
                     if plan.engram_placement == "nvme_direct" and fp.engram_row_bytes else 0)
-    return {"residual": 8 * T * width * 4 + T * fp.engram_floats_per_token * 4 + forward_shared_bytes(plan, fp),
+    return {"residual": (8 * T * width * 4 + T * fp.engram_floats_per_token * 4 + forward_shared_bytes(plan, fp)
+                         + decode_work_bytes(plan, fp)),
             "attention": indexer_bound_bytes(plan, fp) + max(attention_scratch_bytes(plan, fp), decode_scratch_bytes(plan, fp))
             + (FP8_TILE_ROWS * width + T * FP8_TILE_ROWS) * 4,
             "moe": moe_scratch_bytes(fp, T), "logits": T * fp.vocab_size * 4,

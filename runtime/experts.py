@@ -291,18 +291,33 @@ class PlacedExperts:
     def routed(self, layer, m, ids, wts, shared: bool = False):
         """The layer's routed experts for m [T, H] (ids, wts [T, K]), and with `shared` its shared
         expert(s) added: in the CPU call where it rides in the host bank, else its own call. -> [T, H]"""
+        y = self.routed_np(layer, m.detach().to(torch.float32).cpu().numpy(), ids.cpu().numpy(),
+                           wts.detach().to(torch.float32).cpu().numpy(), shared)
+        return torch.from_numpy(y).to(device=m.device, dtype=m.dtype)
+
+    def routed_np(self, layer, x, ids_np, w_np, shared: bool = False) -> np.ndarray:
+        """`routed` on numpy arrays (x float32 [T, H], ids int64, w_np float32 [T, K]) -> float32 [T, H]."""
         t_layer = time.perf_counter()
         self.layer_calls += 1
-        x = m.detach().to(torch.float32).cpu().numpy()
-        ids_np, w_np = ids.cpu().numpy(), wts.detach().to(torch.float32).cpu().numpy()
         if self.trace is not None:
             self.trace.record(layer, ids_np)
-        need = sorted(set(ids_np.reshape(-1).tolist()))        # a verify batch reads the union of its tokens' experts
+        need = np.unique(ids_np)                               # a verify batch reads the union of its tokens' experts
         self.experts_read += len(need)
+        if self._host_only(layer, len(x)):   # every expert in the host bank, no slots: the one CPU call, no split
+            self.cache.misses += len(need)
+            ride = shared and self.shared_row[layer] is not None
+            sub, w = ids_np, w_np
+            if ride:                                       # the shared expert after the routed ones (`_cpu_part`)
+                sub = np.concatenate([sub, np.full((len(x), 1), self.shared_row[layer], np.int64)], 1)
+                w = np.concatenate([w, np.ones((len(x), 1), np.float32)], 1)
+            y = self._run(self.host[layer], x, sub, w, "cpu_moe")
+            self.seconds["moe_layer_total"] += time.perf_counter() - t_layer
+            return self._finish(layer, x, y, own_shared=shared and not ride)
+        need = need.tolist()
         if self.stream is not None and self.stream.wants(len(x)):   # a wide prefill call: stream to the device
             y = self.stream.run(self, layer, x, ids_np, w_np, need)
             self.seconds["moe_layer_total"] += time.perf_counter() - t_layer
-            return self._finish(layer, x, y, m, own_shared=shared)
+            return self._finish(layer, x, y, own_shared=shared)
         hits = [e for e in need if self.cache.lookup((layer, e)) is not None]
         miss = [e for e in need if e not in hits]
         self.cache.hits += len(hits)
@@ -320,7 +335,7 @@ class PlacedExperts:
         if not dev_keys:                           # nothing for the device: the CPU share inline, no hand-off
             y = self._cpu_part(layer, x, ids_np, w_np, to_cpu, ride) if to_cpu or ride else np.zeros_like(x)
             self.seconds["moe_layer_total"] += time.perf_counter() - t_layer
-            return self._finish(layer, x, y, m, own_shared=shared and not ride)
+            return self._finish(layer, x, y, own_shared=shared and not ride)
         y = np.zeros_like(x)
         fut = cpu_y = None
         if (to_cpu or ride) and self.overlap:      # overlapped with the device's share in the worker thread
@@ -344,7 +359,7 @@ class PlacedExperts:
         if cpu_y is not None:
             y += cpu_y
         self.seconds["moe_layer_total"] += time.perf_counter() - t_layer
-        return self._finish(layer, x, y, m, own_shared=shared and not ride)
+        return self._finish(layer, x, y, own_shared=shared and not ride)
 
     def _device_round(self, layer, x, ids_np, w_np, keys):
         """Make `keys` (<= slots) resident, touching the resident ones first so no put evicts them; then
@@ -366,14 +381,19 @@ class PlacedExperts:
         self.seconds["device_moe"] += time.perf_counter() - t0
         return y
 
-    def _finish(self, layer, x, y, m, own_shared: bool):
-        """y [T, H] (the call's experts) as a tensor like m; `own_shared`: the shared expert added from a
-        call of its own (`shared_moe`), where it does not ride in the host bank or the call streamed
-        through the device."""
+    def _host_only(self, layer, T: int) -> bool:
+        """Whether this call is the host bank's alone: the CPU strategy (or hybrid without slots), no
+        slot cache to look up, every expert of the layer resident, no prefill stream taking it."""
+        return (self.cache.n == 0 and self.plan.moe_strategy in ("cpu", "hybrid") and self.host[layer] is not None
+                and self.resident[layer] == self.cfg.n_routed_experts and not (self.stream is not None and self.stream.wants(T)))
+
+    def _finish(self, layer, x, y, own_shared: bool) -> np.ndarray:
+        """y [T, H] (the call's experts); `own_shared`: the shared expert added from a call of its own
+        (`shared_moe`), where it does not ride in the host bank or the call streamed through the device."""
         if own_shared:
             bank, row = (self.host[layer], self.shared_row[layer]) if self.shared_row[layer] is not None else (self.shared_bank[layer], 0)
             y += self._run(bank, x, np.full((len(x), 1), row, np.int64), np.ones((len(x), 1), np.float32), "shared_moe")
-        return torch.from_numpy(y).to(device=m.device, dtype=m.dtype)
+        return y
 
     # ---------------------------------------------------------------- probes through this path
     def dispatch_seconds(self, layer: int, repeats: int = 20) -> list[float]:

@@ -73,8 +73,8 @@ class Compressed:
         self.ik_codes, self.ik_scale = torch.zeros(n, Di, **u8), torch.zeros(n, dtype=torch.float32, device=device)
         self.tail = Ring(r + spare, (C, Di), dtype, device)
         cpu = self.lat_codes.device.type == "cpu"      # the stored rows as the CPU kernels read them (views, made once)
-        self._lat = (self.lat_codes.numpy(), self.lat_scales.numpy()) if cpu else None
-        self._ik = (self.ik_codes.numpy(), self.ik_scale.numpy()) if cpu else None
+        self.lat_views = (self.lat_codes.numpy(), self.lat_scales.numpy()) if cpu else None
+        self.ik_views = (self.ik_codes.numpy(), self.ik_scale.numpy()) if cpu else None
 
     def write(self, pos: torch.Tensor, lat: torch.Tensor, ik: torch.Tensor) -> None:
         """Positions pos [T] (contiguous) with their latents [T, C] and index keys [T, Di]: every row
@@ -100,7 +100,7 @@ class Compressed:
         call (kernels/latent_rows.py) where all are CPU float tensors. -> False (nothing done) else."""
         if not numba_ok(rows, cos, sin, K, V):
             return False
-        latent_rows.selected(*self._lat, *numpy_views(rows, cos, sin, K, V))
+        latent_rows.selected(*self.lat_views, *numpy_views(rows, cos, sin, K, V))
         return True
 
     def top_rows(self, qi, wh, score, k: int, idx, ok) -> bool:
@@ -110,7 +110,7 @@ class Compressed:
         if not numba_ok(qi, wh, score, idx):
             return False
         q, w, s, i = numpy_views(qi, wh, score, idx)
-        indexer_top.select_one(*self._ik, indexer_top.E4M3, q, w, s, k, i, ok.numpy())
+        indexer_top.select_one(*self.ik_views, indexer_top.E4M3, q, w, s, k, i, ok.numpy())
         return True
 
     def index_keys(self, lo: int, hi: int) -> torch.Tensor:
@@ -119,7 +119,7 @@ class Compressed:
         out = torch.empty(hi - lo, self.ik_codes.shape[1], dtype=self.dtype, device=self.ik_codes.device)
         if not numba_ok(out):
             return dequantize_fp8_rowscale(self.ik_codes[lo:hi], self.ik_scale[lo:hi], self.dtype)
-        indexer_top.index_keys(self._ik[0][lo:hi], self._ik[1][lo:hi], out.numpy())
+        indexer_top.index_keys(self.ik_views[0][lo:hi], self.ik_views[1][lo:hi], out.numpy())
         return out
 
     def nbytes(self) -> int:

@@ -32,12 +32,15 @@ import numpy as np
 import torch
 
 from hostinfo import usable_cores
-from kernels import norms, router
+from kernels import decode_layer, indexer_top, latent_rows, norms, router
 from kernels.arrays import numba_ok
+from kernels.decode_layer import MAX_ROWS
+from kernels.formats import KV_FP4_GROUP
 from kernels.engram_hash import engram_rows, slot_ranges, slot_seeds
 from kernels.threads import torch_threads
 from runtime.config import ModelConfig
 from runtime.model.attention import attend, attend_decode, select
+from runtime.model.decode import NO_INDEX, NO_LATENTS, NO_ROWS, FusedLayer, Work, work_shapes
 from runtime.model.kv import SeqState
 from runtime.model.weights import linear
 
@@ -58,7 +61,12 @@ def _inv_freq(d: int, theta: float) -> torch.Tensor:
 
 
 def rope_tables(pos, d: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) [T, d] of integer positions pos [T] (computed in float64, then cast)."""
+    """(cos, sin) [T, d] of integer positions pos [T] (computed in float64, then cast); on the CPU in one
+    numba call (kernels/norms.py rope_tables: the tables the fused decode computes for itself)."""
+    if pos.device.type == "cpu" and pos.dtype == torch.int64 and dtype in (torch.float32, torch.float64):
+        cos, sin = torch.empty(len(pos), d, dtype=dtype), torch.empty(len(pos), d, dtype=dtype)
+        norms.rope_tables(pos.numpy(), _inv_freq(d, theta).numpy(), cos.numpy(), sin.numpy())
+        return cos, sin
     ang = pos.to(torch.float64)[:, None] * _inv_freq(d, theta).to(pos.device)[None]   # [T, d]
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
@@ -114,6 +122,8 @@ class Model:
         self.dtype, self.device = dtype, device
         self.cmap = cmap
         self.phases = Phases()
+        self.fuse_decode = True                    # decode layers' dense work in two calls (runtime/model/decode.py)
+        self._fused_layers, self._work = [], None
         self.torch_threads = usable_cores()        # torch's pool for wide forwards (ONE_POOL_TOKENS)
         self._global_layers = any(cfg.layer_mode(i) != "window" for i in range(cfg.num_hidden_layers))
         if cfg.engram_layer_ids:
@@ -197,29 +207,84 @@ class Model:
         return [logits[sg.a:sg.b] for sg in segs]
 
     def _layer(self, segs, i, h, pos, tok, rows, sel, fw):
-        """fw: what the forward's layers share: its positions' RoPE tables, and the last decode batch's
-        selected rows (keyed by kv source and index source: reuse layers read the same rows). A pair's
-        rows are first built after its source is written (a source is written at its own layer, before
-        its attention, or at the encoder's end for the decoder's, and kv_source_of(i) <= i), so they
-        are never stale within the forward."""
-        c, w = self.cfg, self.w
+        """fw: what the forward's layers share: its positions' RoPE tables, the last decode batch's
+        selected rows (keyed by kv source and index source: reuse layers read the same rows) and, on
+        the fused decode path (runtime/model/decode.py), its intermediates' buffers. A pair's rows are
+        first built after its source is written (a source is written at its own layer, before its
+        attention, or at the encoder's end for the decoder's, and kv_source_of(i) <= i), so they are
+        never stale within the forward."""
+        c = self.cfg
         if i in c.engram_layer_ids:
             h = self._engram(i, h, rows[i])               # its wait is `engram_wait`, its linears `dense`
         t0 = time.perf_counter()
-        a = rmsnorm(h, w[f"layers.{i}.attn_norm.weight"], c.rms_norm_eps)
-        ql = self.L(f"layers.{i}.attn.wq_a", a)
-        q = rope(self.L(f"layers.{i}.attn.wq_b", ql).view(len(h), c.num_attention_heads, c.kv_lora_rank), pos, c.rope_theta, fw["rope"])
-        cw = rmsnorm(self.L(f"layers.{i}.attn.wkv", a), w[f"layers.{i}.attn.kv_norm.weight"], c.rms_norm_eps)
-        k_new = rope(cw, pos, c.rope_theta, fw["rope"])                      # [T, C] window keys, values cw
+        fused = self._fused(i, segs, fw)
+        x = fused.attn_in(h, *fw["rope_np"], fw["work"]) if fused else self._attn_in(i, h, pos, fw)
         if i in c.kv_source_layers and i < c.num_encoder_layers:
             for sg in segs:
-                self._write_source(sg.st, i, a[sg.a:sg.b], pos[sg.a:sg.b])
+                r = slice(sg.a, sg.b)
+                lat, ik = ((x["lat"][r], x["ik"][r]) if fused else
+                           (self.L(f"layers.{i}.attn.wkv_c", x["a"][r]), self.L(f"layers.{i}.attn.wi_k", x["a"][r])))
+                sg.st.sources[i].write(pos[r], lat, ik)
         t_att = time.perf_counter()            # attention: the indexer, the selected rows, the window
+        out = self._attention_fused(segs, i, sel, fw) if fused else self._attention(segs, i, x, pos, sel, fw)
+        self.phases.add("attention", t_att)
+        t_wo = time.perf_counter()             # the output projection, the MoE's norm and router
+        if not fused:
+            h = h + self.L(f"layers.{i}.attn.wo", out.reshape(len(h), -1))
+            m, ids, wts = self._moe_in(i, h, tok)
+            self.phases.seconds["dense"] += (t_att - t0) + (time.perf_counter() - t_wo)   # linears, norms, rope
+            return h + self.experts.routed(i, m, ids, wts, shared=bool(c.n_shared_experts))
+        h = fused.attn_out(h, out, fw["work"])         # a new tensor: the MoE's output is added into it
+        n = fw["work"].n
+        ids, wts = (n["ids"], n["wts"]) if i >= c.n_hash_layers else (t.numpy() for t in self._hash_route(i, tok))
+        self.phases.seconds["dense"] += (t_att - t0) + (time.perf_counter() - t_wo)
+        hn = h.numpy()
+        hn += self.experts.routed_np(i, n["m"], ids, wts, shared=bool(c.n_shared_experts))
+        return h
+
+    def _fused(self, i, segs, fw):
+        """Layer i's fused decode calls (runtime/model/decode.py) when this forward takes them: every
+        sequence gives one token, at most decode_layer.MAX_ROWS of them, and every layer's weights fit
+        (all layers or none: the fused attention keeps the selections its own way). Else None."""
+        if "fused" not in fw:
+            fw["fused"] = self._fused_step(segs, fw)
+        return self._fused_layers[i] if fw["fused"] else None
+
+    def _fused_step(self, segs, fw) -> bool:
+        c, S = self.cfg, len(segs)
+        if (not self.fuse_decode or S > MAX_ROWS or any(sg.b - sg.a != 1 for sg in segs) or self.device != "cpu"
+                or self.dtype != torch.float32):
+            return False
+        if not self._fused_layers:
+            layers = [FusedLayer.make(c, self.w, i, MAX_ROWS) for i in range(c.num_hidden_layers)]
+            self._fused_layers = layers if all(layers) else [None] * c.num_hidden_layers
+        if self._fused_layers[0] is None or not hasattr(self.experts, "routed_np"):
+            return False
+        if self._work is None or len(self._work.n["a"]) != S:         # one width held (runtime/budget.py)
+            self._work = None
+            self._work = Work.make(S, work_shapes(c))
+        fw["work"], fw["rope_np"] = self._work, tuple(t.numpy() for t in fw["rope"])
+        fw["inv_freq"] = _inv_freq(c.kv_lora_rank // 2, c.rope_theta).numpy()
+        return True
+
+    def _attn_in(self, i, h, pos, fw) -> dict:
+        """The unfused form of FusedLayer.attn_in: the attention's inputs from h [T, H]."""
+        c, w, T = self.cfg, self.w, len(h)
+        a = rmsnorm(h, w[f"layers.{i}.attn_norm.weight"], c.rms_norm_eps)
+        ql = self.L(f"layers.{i}.attn.wq_a", a)
+        q = rope(self.L(f"layers.{i}.attn.wq_b", ql).view(T, c.num_attention_heads, c.kv_lora_rank), pos, c.rope_theta, fw["rope"])
+        cw = rmsnorm(self.L(f"layers.{i}.attn.wkv", a), w[f"layers.{i}.attn.kv_norm.weight"], c.rms_norm_eps)
+        return {"a": a, "ql": ql, "q": q, "cw": cw, "kn": rope(cw, pos, c.rope_theta, fw["rope"])}   # kn [T, C] window keys
+
+    def _attention(self, segs, i, x, pos, sel, fw):
+        """Layer i's attention over the step's rows (x: `_attn_in`'s tensors). -> [T, Hq, C]."""
+        c = self.cfg
+        a, ql, q, cw, k_new = (x[k][:len(pos)] for k in ("a", "ql", "q", "cw", "kn"))
         glob_layer = c.layer_mode(i) != "window"
         if glob_layer:
-            x = c.index_source_of(i)
+            xs = c.index_source_of(i)
             for sg, s_sel in zip(segs, sel):   # the indexer per sequence, over its own state
-                if x == i:
+                if xs == i:
                     r = slice(sg.a, sg.b)
                     s_sel[i] = self._select(sg.st, i, a[r], ql[r], pos[r])
         # one-query segments (decode tokens) in one batched pass: the same arithmetic alone or batched,
@@ -227,27 +292,61 @@ class Model:
         ones = [j for j, sg in enumerate(segs) if sg.b - sg.a == 1]
         out = torch.empty_like(q)
         if ones:                           # all of the step (decode): rows 0..S-1 in order, a slice
-            at = slice(0, len(ones)) if len(ones) == len(h) else torch.tensor([segs[j].a for j in ones], device=self.device)
+            at = slice(0, len(ones)) if len(ones) == len(pos) else torch.tensor([segs[j].a for j in ones], device=self.device)
             kv = fw.get("kv") or fw.setdefault("kv", self._decode_buffers(segs[0].st, len(ones)))
             n_sel = None
             if glob_layer:                 # held in fw (runtime/budget.py counts it through the MoE)
-                key = (c.kv_source_of(i), x)
+                key = (c.kv_source_of(i), xs)
                 if fw.get("rows", (None,))[0] != key:
-                    fw["rows"] = key, self._selected_rows_batch([segs[j].st.sources[key[0]] for j in ones], [sel[j][x] for j in ones], kv)
+                    fw["rows"] = key, self._selected_rows_batch([segs[j].st.sources[key[0]] for j in ones], [sel[j][xs] for j in ones], kv)
                 n_sel = fw["rows"][1]
             out[at] = attend_decode(q[at], pos[at], k_new[at], cw[at], [segs[j].st.windows[i] for j in ones], c.window_size, kv, n_sel)
         for sg, s_sel in zip(segs, sel):
             if sg.b - sg.a > 1:
                 r = slice(sg.a, sg.b)
-                g = self._selected_rows(sg.st.sources[c.kv_source_of(i)], *s_sel[x]) if glob_layer else None
+                g = self._selected_rows(sg.st.sources[c.kv_source_of(i)], *s_sel[xs]) if glob_layer else None
                 out[r] = attend(q[r], pos[r], k_new[r], cw[r], sg.st.windows[i], c.window_size, g)
         for sg in segs:
             sg.st.windows[i].write(pos[sg.a:sg.b], k_new[sg.a:sg.b], cw[sg.a:sg.b])
-        self.phases.add("attention", t_att)
-        t_wo = time.perf_counter()
-        h = h + self.L(f"layers.{i}.attn.wo", out.reshape(len(h), -1))
-        self.phases.seconds["dense"] += (t_att - t0) + (time.perf_counter() - t_wo)   # linears, norms, rope
-        return h + self._moe(i, h, tok)
+        return out
+
+    def _attention_fused(self, segs, i, sel, fw):
+        """`_attention` for a fused decode step: each sequence's query in one call
+        (kernels/decode_layer.py attend_one, the window's write included). sel[j][x] holds the top
+        rows' count k; their ids sit in the step's buffers of index layer x. -> [S, Hq, C] (numpy)."""
+        c, n = self.cfg, fw["work"].n
+        glob = c.layer_mode(i) != "window"
+        xs = c.index_source_of(i) if glob else None
+        if "kv_np" not in fw:
+            fw["kv_np"] = tuple(t.numpy() for t in fw.setdefault("kv", self._decode_buffers(segs[0].st, len(segs))))
+        key = (c.kv_source_of(i), xs) if glob else None
+        fresh = glob and fw.get("rows", (None,))[0] != key
+        n_rows = list(fw["rows"][1]) if glob and not fresh else [0] * len(segs)
+        for j, sg in enumerate(segs):
+            st, p = sg.st, sg.st.pos
+            n_vis, ix = -1, NO_INDEX
+            if xs == i:                         # the indexer, over this sequence's rows
+                src = st.sources[c.kv_source_of(i)]
+                n_vis = max(0, (p + 1 - c.window_size) // src.r)
+                k = min(c.index_topk, n_vis) if n_vis else 1
+                sel[j][i] = k
+                ix = (*src.ik_views, indexer_top.E4M3, n["qi"][j].reshape(c.index_n_heads, c.index_head_dim), n["wh"][j])
+                if n_vis:
+                    st.indexer_peak_bytes = max(st.indexer_peak_bytes, n_vis * 4 + k * 9 + n_vis * 12)   # as `select`
+            if glob:
+                k = sel[j][xs]
+                idx, ok = n[f"idx{xs}"][j, :k], n[f"ok{xs}"][j, :k]
+            else:
+                idx, ok = NO_ROWS
+            lat = st.sources[key[0]].lat_views if fresh else NO_LATENTS
+            r = -1 if not glob else st.sources[key[0]].r if fresh else 0
+            n_rows[j] = decode_layer.attend_one(
+                p, c.window_size, 1.0 / math.sqrt(c.kv_lora_rank), n["q"][j], n["kn"][j], n["cw"][j],
+                *st.windows[i].views, fw["kv_np"][0][j], fw["kv_np"][1][j], n["o"][j], n_vis, *ix, idx, ok,
+                r, *lat, latent_rows.PAIRS, indexer_top.E4M3, KV_FP4_GROUP, fw["inv_freq"], n_rows[j])
+        if fresh:
+            fw["rows"] = key, n_rows
+        return n["o"]
 
     def _selected_rows(self, src, idx, ok):
         """-> glob(b0, b1): queries b0..b1-1's selected rows, dequantized: (roped keys, values, ok)."""
@@ -300,23 +399,24 @@ class Model:
         if (int(pos[-1]) + 1 - c.window_size) // src.r <= 0:                  # nothing visible yet
             z = torch.zeros(T, 1, dtype=torch.long, device=self.device)
             return z, z.bool()
-        qi = self.L(f"layers.{x}.attn.wi_q", ql).view(T, c.index_n_heads, c.index_head_dim)
-        wh = self.L(f"layers.{x}.attn.wi_w", a)                              # [T, Hi]
-        idx, ok, peak = select(src, qi, wh, pos, c.window_size, c.index_topk, self.dtype, self.device)
+        qi, wh = self.L(f"layers.{x}.attn.wi_q", ql), self.L(f"layers.{x}.attn.wi_w", a)
+        idx, ok, peak = select(src, qi.view(T, c.index_n_heads, c.index_head_dim), wh, pos, c.window_size, c.index_topk,
+                               self.dtype, self.device)
         st.indexer_peak_bytes = max(st.indexer_peak_bytes, peak)
         return idx, ok
 
-    def _moe(self, i, h, tok):
+    def _moe_in(self, i, h, tok):
+        """The MoE's input and routing: m = rmsnorm(h, ffn_norm) [T, H], ids, wts [T, K]."""
         c, w = self.cfg, self.w
-        t0 = time.perf_counter()
         m = rmsnorm(h, w[f"layers.{i}.ffn_norm.weight"], c.rms_norm_eps)
         if i < c.n_hash_layers:
-            ids = w[f"layers.{i}.ffn.tid2eid"][tok]
-            wts = torch.full(ids.shape, 1.0 / c.num_experts_per_tok, dtype=self.dtype, device=self.device)
-        else:
-            ids, wts = self._route(self.L(f"layers.{i}.ffn.gate", m), w[f"layers.{i}.ffn.gate.bias"])
-        self.phases.add("dense", t0)                                        # the norm and the router
-        return self.experts.routed(i, m, ids, wts, shared=bool(c.n_shared_experts))
+            return (m, *self._hash_route(i, tok))
+        return (m, *self._route(self.L(f"layers.{i}.ffn.gate", m), w[f"layers.{i}.ffn.gate.bias"]))
+
+    def _hash_route(self, i, tok):
+        """Hash layers: tid2eid[token], each weight 1/K."""
+        ids = self.w[f"layers.{i}.ffn.tid2eid"][tok]
+        return ids, torch.full(ids.shape, 1.0 / self.cfg.num_experts_per_tok, dtype=self.dtype, device=self.device)
 
     def _route(self, logits, bias):
         """logits [T, E] -> the top num_experts_per_tok of sigmoid + bias (ids [T, K]) and their sigmoid

@@ -17,6 +17,7 @@ def _run(ck, prompt, monkeypatch, torch_forms: bool):
         for mod in (kernels.arrays, kv):
             monkeypatch.setattr(mod, "numba_ok", lambda *ts: False)
     e = Engine(ck, Plan(moe_strategy="cpu", prefill_chunk=16))
+    e.model.fuse_decode = False          # the unfused numba forms (the fused path is held to them: test_decode_fused.py)
     try:
         return e.generate(prompt, 8, keep_logits=True)
     finally:

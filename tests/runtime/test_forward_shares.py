@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from kernels import decode_layer
 from runtime import budget
 from runtime.checkpoint.reader import Checkpoint
 from runtime.engine import Engine
@@ -36,15 +37,19 @@ def test_rope_rotates_each_pair_by_its_angle(shape):
     assert torch.equal(transformer.rope(x, pos, theta, transformer.rope_tables(pos, d, theta, x.dtype)), got)
 
 
-def _decode(ck, prompt, n, monkeypatch, fresh_rows: bool):
-    """n greedy tokens; -> (logits, selected-row batches built per decode forward)."""
+def _decode(ck, prompt, n, monkeypatch, fresh_rows: bool, fused: bool):
+    """n greedy tokens; -> (logits, selected-row batches built per decode forward: by the unfused
+    path's `_selected_rows_batch`, or by the fused path's attend_one, given a kv source ratio r > 0)."""
     calls = []
     build = transformer.Model._selected_rows_batch
     monkeypatch.setattr(transformer.Model, "_selected_rows_batch", lambda self, *a: calls.append(1) or build(self, *a))
+    one = decode_layer.attend_one
+    monkeypatch.setattr(decode_layer, "attend_one", lambda *a: (a[20] > 0 and calls.append(1)) or one(*a))
     if fresh_rows:                                     # every layer builds its own rows, as before sharing
         layer = transformer.Model._layer
         monkeypatch.setattr(transformer.Model, "_layer", lambda self, *a: (a[-1].pop("rows", None), layer(self, *a))[1])
     e = Engine(ck, Plan(moe_strategy="cpu", prefill_chunk=len(prompt)))
+    e.model.fuse_decode = fused
     try:
         out = e.generate(prompt, n, keep_logits=True)
     finally:
@@ -53,15 +58,16 @@ def _decode(ck, prompt, n, monkeypatch, fresh_rows: bool):
     return out, len(calls) / (n - 1)
 
 
-def test_reuse_layers_share_the_selected_rows_bit_for_bit(ck, monkeypatch):
+@pytest.mark.parametrize("fused", [True, False])
+def test_reuse_layers_share_the_selected_rows_bit_for_bit(ck, monkeypatch, fused):
     c = ck.config
     prompt = [(7 * k) % (c.vocab_size - 1) + 1 for k in range(40)]
     assert (len(prompt) + 1 - c.window_size) // min(c.compress_ratios[s] for s in c.kv_source_layers) > 0   # rows visible
     glob = [i for i in range(c.num_hidden_layers) if c.layer_mode(i) != "window"]
     pairs = {(c.kv_source_of(i), c.index_source_of(i)) for i in glob}
     assert len(pairs) < len(glob)                      # the checkpoint has layers that can share
-    shared, per_forward = _decode(ck, prompt, 6, monkeypatch, fresh_rows=False)
-    alone, per_forward_alone = _decode(ck, prompt, 6, monkeypatch, fresh_rows=True)
+    shared, per_forward = _decode(ck, prompt, 6, monkeypatch, fresh_rows=False, fused=fused)
+    alone, per_forward_alone = _decode(ck, prompt, 6, monkeypatch, fresh_rows=True, fused=fused)
     assert per_forward == len(pairs) and per_forward_alone == len(glob)
     assert shared.tokens == alone.tokens and all(torch.equal(a, b) for a, b in zip(shared.logits, alone.logits))
 
@@ -122,12 +128,12 @@ def test_small_forwards_run_torch_on_one_thread_and_wide_ones_on_the_usable_core
     eng = Engine(ck, Plan(max_context=40, prefill_chunk=20))
     before = torch.get_num_threads()
     eng.model.torch_threads = before + 1                             # a count told apart from the caller's
-    seen, routed = [], eng.experts.routed
+    seen, routed = [], eng.experts.routed_np                         # every MoE call's (the fused decode's too)
 
-    def spy(layer, m, *a, **kw):
-        seen.append((len(m), torch.get_num_threads()))
-        return routed(layer, m, *a, **kw)
-    monkeypatch.setattr(eng.experts, "routed", spy)
+    def spy(layer, x, *a, **kw):
+        seen.append((len(x), torch.get_num_threads()))
+        return routed(layer, x, *a, **kw)
+    monkeypatch.setattr(eng.experts, "routed_np", spy)
     try:
         eng.generate(list(range(1, 21)), 3)
         assert torch.get_num_threads() == before

@@ -186,7 +186,7 @@ def test_a_disconnect_mid_stream_frees_the_slot(server, client):
 
 def test_a_full_queue_gets_429_and_loses_nothing(server):
     _wait_idle(server)
-    n = 64                                               # each stream runs for seconds: the queue stays full
+    n = 400                                              # each stream runs for a second or more: the queue stays full
     body = {"model": "tiny", "prompt": "Return a list", "max_tokens": n, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
     results = {}
@@ -200,7 +200,9 @@ def test_a_full_queue_gets_429_and_loses_nothing(server):
     for k in range(3):                                   # one running, two queued: the queue holds 2
         threads.append(threading.Thread(target=long_stream, args=(k,)))
         threads[-1].start()
+        deadline = time.monotonic() + 30
         while (lambda h: h["running"] + h["queued"])(_health(server)) < k + 1:
+            assert time.monotonic() < deadline and len(results) == 0, f"stream {k} never queued: {results}"
             time.sleep(0.05)
     r = httpx.post(server + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=30)
     assert r.status_code == 429 and "queue" in r.json()["error"]["message"] and r.headers["retry-after"] == "1"

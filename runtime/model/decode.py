@@ -1,0 +1,120 @@
+"""A decode step's layer with its dense work in two numba calls (kernels/decode_layer.py), on the CPU.
+
+Model._layer takes this path when every sequence of the step gives one token (decode, a decode batch of
+S < decode_layer.MAX_ROWS + 1 rows), the model is float32 on the CPU and the layer's weights are held
+as FP8 / BF16 that the SIMD GEMVs take (`FusedLayer.make` -> None otherwise). The same kernels on the
+same rows as the unfused path: the same bits (tests/runtime/test_decode_fused.py), ~20 fewer calls a
+layer between two MoE reads. What a layer computes besides its output is consumed within the layer (or,
+an index layer's top rows, within the forward), so those buffers (`Work`, runtime/budget.py
+decode_work_bytes) are made for the step's width and kept for the next step of that width (one width
+at a time; forwards of one model run one after another); the layer's output h2 is new each layer
+(sequences keep references to it: DSpark's target hidden states).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kernels import decode_layer
+from kernels.cpu_moe import STAB
+
+
+def _fp8(w) -> tuple:
+    return (w.q, w.scale) if w is not None else (np.zeros((0, 0), np.uint8), np.zeros((0, 0), np.uint8))
+
+
+def _bf16(w) -> np.ndarray:
+    return w.bits if w is not None else np.zeros((0, 0), np.uint16)
+
+
+@dataclass
+class Work:
+    """A step's per-layer intermediates (torch tensors and their numpy views, the same memory)."""
+    t: dict
+    n: dict
+
+    @classmethod
+    def make(cls, S: int, shapes: dict) -> "Work":
+        t = {k: torch.empty((S,) + s, dtype=dt) for k, (s, dt) in shapes.items()}
+        return cls(t, {k: v.numpy() for k, v in t.items()})
+
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in self.n.values())
+
+
+class FusedLayer:
+    """One layer's weights as the fused calls take them (`make`: None where they do not fit)."""
+
+    def __init__(self, cfg, w, i: int):
+        p = f"layers.{i}."
+        get = lambda n, use=True: w[p + n + ".weight"] if use else None          # noqa: E731
+        self.cfg = cfg
+        self.index = cfg.layer_mode(i) != "window" and cfg.index_source_of(i) == i
+        self.source = i in cfg.kv_source_layers and i < cfg.num_encoder_layers
+        self.routed = i >= cfg.n_hash_layers
+        self.block = get("attn.wq_a").block
+        self.wq = [*_fp8(get("attn.wq_a")), *_fp8(get("attn.wq_b")), *_fp8(get("attn.wkv")),
+                   *_fp8(get("attn.wi_q", self.index)), _bf16(get("attn.wi_w", self.index)),
+                   *_fp8(get("attn.wkv_c", self.source)), *_fp8(get("attn.wi_k", self.source))]
+        self.wo = _fp8(get("attn.wo"))
+        self.gate = _bf16(get("ffn.gate", self.routed))
+        self.bias = w[p + "ffn.gate.bias"].numpy() if self.routed else np.zeros(0, np.float32)
+        self.norms = [w[p + n + ".weight"].numpy() for n in ("attn_norm", "attn.kv_norm", "ffn_norm")]
+
+    @classmethod
+    def make(cls, cfg, w, i: int, rows: int) -> "FusedLayer | None":
+        """Layer i's fused form for steps of up to `rows` rows, or None: a weight held in another form
+        (float copies, a device's) or one the SIMD GEMVs do not take, FP8 blocks of more than one shape."""
+        p = f"layers.{i}."
+        fp8 = [w.get(p + n + ".weight") for n in ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo")]
+        if cfg.layer_mode(i) != "window" and cfg.index_source_of(i) == i:
+            fp8.append(w.get(p + "attn.wi_q.weight"))
+        if i in cfg.kv_source_layers and i < cfg.num_encoder_layers:
+            fp8 += [w.get(p + "attn.wkv_c.weight"), w.get(p + "attn.wi_k.weight")]
+        bf16 = ([w.get(p + "attn.wi_w.weight")] if cfg.layer_mode(i) != "window" and cfg.index_source_of(i) == i else []) + \
+               ([w.get(p + "ffn.gate.weight")] if i >= cfg.n_hash_layers else [])
+        if not decode_layer.fits(rows, fp8, bf16) or len({x.block for x in fp8}) != 1:
+            return None
+        return cls(cfg, w, i)
+
+    def attn_in(self, h: torch.Tensor, cos: np.ndarray, sin: np.ndarray, work: Work) -> dict:
+        """-> {a, ql, q, cw, kn, qi, wh, lat, ik}: tensors (views of `work`; the last four only on
+        index / source layers)."""
+        c, n = self.cfg, work.n
+        bn, bk = self.block
+        e = np.zeros((len(h), 0), np.float32)
+        decode_layer.attn_in(h.numpy(), self.norms[0], self.norms[1], c.rms_norm_eps, bn, bk, STAB, cos, sin, *self.wq,
+                             n["a"], n["ql"], n["q"], n["cw"], n["kn"], n["qi"] if self.index else e,
+                             n["wh"] if self.index else e, n["lat"] if self.source else e, n["ik"] if self.source else e)
+        return work.t
+
+    def attn_out(self, h: torch.Tensor, o: np.ndarray, work: Work) -> torch.Tensor:
+        """o [S, Hq, C] -> h2 = h + o wo^T (a new tensor); m, and on routed layers ids, wts, in `work`."""
+        c, n = self.cfg, work.n
+        bn, bk = self.block
+        h2 = torch.empty_like(h)
+        decode_layer.attn_out(h.numpy(), o.reshape(len(h), -1), *self.wo, bn, bk, STAB, self.norms[2], c.rms_norm_eps,
+                              self.gate, self.bias, c.routed_scaling_factor, h2.numpy(), n["m"], n["ids"], n["wts"])
+        return h2
+
+
+def work_shapes(cfg) -> dict:
+    """The per-layer intermediates: name -> (shape without the step's rows, dtype); idx{x}, ok{x}: index
+    layer x's top rows, read again by the layers that reuse its selection."""
+    C, Hq, H, k, f = cfg.kv_lora_rank, cfg.num_attention_heads, cfg.hidden_size, cfg.index_topk, torch.float32
+    out = {"a": ((H,), f), "ql": ((cfg.q_lora_rank,), f), "q": ((Hq, C), f), "cw": ((C,), f), "kn": ((C,), f),
+           "qi": ((cfg.index_n_heads * cfg.index_head_dim,), f), "wh": ((cfg.index_n_heads,), f), "lat": ((C,), f),
+           "ik": ((cfg.index_head_dim,), f), "o": ((Hq, C), f), "m": ((H,), f),
+           "ids": ((cfg.num_experts_per_tok,), torch.long), "wts": ((cfg.num_experts_per_tok,), f)}
+    for x in sorted({cfg.index_source_of(i) for i in range(cfg.num_hidden_layers) if cfg.layer_mode(i) != "window"}):
+        out[f"idx{x}"], out[f"ok{x}"] = ((k,), torch.long), ((k,), torch.bool)
+    return out
+
+
+# decode_layer.attend_one's arguments a layer does not use, typed as the used ones
+NO_INDEX = (np.zeros((0, 0), np.uint8), np.zeros(0, np.float32), np.zeros(256, np.float32), np.zeros((0, 0), np.float32),
+            np.zeros(0, np.float32))
+NO_ROWS = (np.zeros(1, np.int64), np.zeros(1, np.bool_))
+NO_LATENTS = (np.zeros((0, 0), np.uint8), np.zeros((0, 0), np.uint8))
