@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels import decode_attn, decode_layer, indexer_top, kv_quant, latent_rows, norms, router, window_keys
+from kernels import decode_attn, decode_layer, engram_gate, indexer_top, kv_quant, latent_rows, norms, router, window_keys
 from kernels.cpu_moe import STAB, Fp4Bank, expert_ffn
-from kernels.fp8_dense import TILE_MIN_TOKENS, Fp8Weight, fp8_linear
+from kernels.fp8_dense import E4M3, TILE_MIN_TOKENS, Fp8Weight, fp8_linear
 
 
 def warm_up(threads: int | None = None) -> None:
@@ -44,6 +44,10 @@ def _decode_step(rng) -> None:
     kv_quant.fp4_e4m3(torch.from_numpy(f32(1, 16)))                          # a compressed row's formats
     kv_quant.fp8_rowscale(torch.from_numpy(f32(1, 16)))
     _fused_layer(rng, f32)
+    for T in (1, 4):                                                          # Engram rows and gate
+        engram_gate.rows(rng.integers(0, 0x7e, (8, 64), dtype=np.uint8), np.full((8, 2), 120, np.uint8),
+                         np.arange(T, dtype=np.int64), E4M3, STAB, f32(T, 64))
+        engram_gate.gate(f32(T, 64), f32(T, 64), f32(T, 64), 1e-6, f32(T, 64))
 
 
 def _fused_layer(rng, f32) -> None:

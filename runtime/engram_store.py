@@ -25,7 +25,10 @@ from collections import OrderedDict, defaultdict
 import numpy as np
 import torch
 
+from kernels import engram_gate
+from kernels.cpu_moe import STAB
 from kernels.formats import dequantize_fp8_rows
+from kernels.fp8_dense import E4M3
 from runtime.checkpoint.reader import Checkpoint
 from runtime.io_reader import BLOCK, BatchedReader
 
@@ -127,13 +130,15 @@ class EngramStore:
             self.counters["rows_requested"] += ids.size
             self.counters["unique_rows"] += len(uniq)
             self.counters["cache_hits"] += int(hit.sum())
-            result.update(codes=codes[inv.reshape(-1)], scales=scales[inv.reshape(-1)])
+            result.update(codes=codes, scales=scales, ids=inv.reshape(-1))      # the rows of `uniq`, and each request's
         except Exception as e:                           # re-raised in the request that issued the read
             result["error"] = e
         finally:
             ev.set()
 
-    def rows(self, layer: int, row_ids: np.ndarray) -> torch.Tensor:
+    def rows(self, layer: int, row_ids: np.ndarray, dtype=torch.float32) -> torch.Tensor:
+        """Rows row_ids [T, S] of the layer's table, dequantized -> [T, S, D] `dtype` (on the CPU in one
+        numba call, kernels/engram_gate.py: the same bits as formats.dequantize_fp8_rows)."""
         T, S = row_ids.shape
         flat = np.ascontiguousarray(row_ids).reshape(-1)
         if self.placement == "nvme_direct":
@@ -147,13 +152,18 @@ class EngramStore:
             del self._pending[layer]
             if "error" in p[2]:
                 raise EngramReadError(f"Engram table of layer {layer}: {p[2]['error']}") from p[2]["error"]
-            codes, scales = torch.from_numpy(p[2]["codes"]), torch.from_numpy(p[2]["scales"])
+            codes, scales, ids = p[2]["codes"], p[2]["scales"], p[2]["ids"]
         else:
-            idx = torch.from_numpy(flat)
-            codes, scales = self.codes[layer][idx], self.scales[layer][idx]
             self.counters["rows_requested"] += flat.size
-        x = dequantize_fp8_rows(codes.view(torch.float8_e4m3fn), scales)
-        return x.view(T, S, -1)
+            codes, scales, ids = self.codes[layer].view(torch.uint8).numpy(), self.scales[layer].numpy(), flat
+        ids = np.asarray(ids, np.int64)
+        if dtype in (torch.float32, torch.float64):                     # gathered and dequantized in one call
+            out = torch.empty(len(ids), codes.shape[1], dtype=dtype)
+            engram_gate.rows(codes, scales, ids, E4M3, STAB, out.numpy())
+        else:
+            idx = torch.from_numpy(ids)
+            out = dequantize_fp8_rows(torch.from_numpy(codes)[idx].view(torch.float8_e4m3fn), torch.from_numpy(scales)[idx], dtype)
+        return out.view(T, S, -1)
 
     def close(self):
         if self.reader:

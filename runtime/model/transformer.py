@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from hostinfo import usable_cores
-from kernels import decode_layer, indexer_top, latent_rows, norms, router
+from kernels import decode_layer, engram_gate, indexer_top, latent_rows, norms, router
 from kernels.arrays import numba_ok
 from kernels.decode_layer import MAX_ROWS
 from kernels.formats import KV_FP4_GROUP
@@ -45,7 +45,10 @@ from runtime.model.kv import SeqState
 from runtime.model.weights import linear
 
 
-def rmsnorm(x, w=None, eps=1e-6):
+RMS_EPS = 1e-6            # rmsnorm's default eps (the Engram gate's norms)
+
+
+def rmsnorm(x, w=None, eps=RMS_EPS):
     """x [T, H] -> x / sqrt(mean(x^2) + eps) (* w): on the CPU in one numba call (kernels/norms.py)."""
     if x.dim() == 2 and numba_ok(x, *([] if w is None else [w])):
         out = torch.empty(x.shape, dtype=x.dtype)
@@ -444,14 +447,19 @@ class Model:
 
     def _engram(self, i, h, row_ids):
         t0 = time.perf_counter()
-        e = self.engram.rows(i, row_ids).to(device=self.device, dtype=self.dtype).reshape(len(h), -1)   # [T, S*D]
+        e = self.engram.rows(i, row_ids, self.dtype).to(device=self.device).reshape(len(h), -1)   # [T, S*D]
         self.phases.add("engram_wait", t0)
         t0 = time.perf_counter()
         k = self.L(f"layers.{i}.engram.wk", e)
         v = self.L(f"layers.{i}.engram.wv", e)
-        gate = torch.sigmoid((rmsnorm(h) * rmsnorm(k)).sum(-1, keepdim=True) / math.sqrt(self.cfg.hidden_size))
+        if numba_ok(h, k, v) and h.dtype == k.dtype == v.dtype:        # one call on the CPU (kernels/engram_gate.py)
+            out = torch.empty_like(h)
+            engram_gate.gate(h.numpy(), k.numpy(), v.numpy(), RMS_EPS, out.numpy())
+        else:
+            gate = torch.sigmoid((rmsnorm(h) * rmsnorm(k)).sum(-1, keepdim=True) / math.sqrt(self.cfg.hidden_size))
+            out = h + gate * v
         self.phases.add("dense", t0)
-        return h + gate * v
+        return out
 
     # ------------------------------------------------------------------ DSpark drafter
     def draft(self, tok: int, hidden: list) -> tuple[torch.Tensor, torch.Tensor]:
