@@ -12,6 +12,8 @@ These two calls run the same kernels on the same rows, so their bits are the unf
   attend_one  one sequence's query: the indexer's top rows (index layer), its selected rows
             dequantized and roped (when the layer's (kv source, index source) pair differs from the
             last one's), the attention over them and the window, the window's write
+  engram    Engram layers: e = the rows (kernels/engram_gate.py) [S, slots D]; k = e wk^T, v = e wv^T;
+            h + gate(h, k) v, the gate as engram_gate's
   attn_out  h2 = h + o wo^T [S, H];  m = rmsnorm(h2, ffn_norm) [S, H]
             routed layer: logits = m gate^T [S, E] (BF16), ids, wts = route(logits + bias)
 A weight a layer lacks is passed as an empty array. The FP8 and BF16 GEMVs are the package's
@@ -27,6 +29,8 @@ from numba import njit
 from kernels import bf16_dense, fp8_dense
 from kernels.cpu_moe import CACHE
 from kernels.decode_attn import _attend
+from kernels.engram_gate import _gate
+from kernels.engram_gate import _rows as _engram_rows
 from kernels.indexer_top import select_one
 from kernels.latent_rows import _rows as _latent_rows
 from kernels.norms import _rope, _rope_tables, _rows
@@ -121,3 +125,16 @@ def attend_one(p, window, scale, q, kn, vn, ring_k, ring_v, ring_p, K, V, out,
     _attend(ring_k, ring_v, ring_p, p, window, kn, vn, K, V, at, 0 if r >= 0 else at, q, scale, out)
     _write(ring_k, ring_v, ring_p, np.full(1, p, np.int64), kn.reshape(1, -1), vn.reshape(1, -1))
     return n_rows
+
+
+@njit(nogil=True, cache=CACHE)
+def engram(h, codes, scales, ids, lut, stab, wk, wk_s, wv, wv_s, bn, bk, eps, inv_sqrt_h, out):
+    """h [S, H]; the table's codes, scales and the step's row ids [S slots] -> out [S, H]."""
+    S, H = h.shape
+    e = np.empty((ids.shape[0], codes.shape[1]), h.dtype)
+    _engram_rows(codes, scales, ids, lut, stab, e)
+    e2 = e.reshape(S, -1)
+    k, v = np.empty((S, H), h.dtype), np.empty((S, H), h.dtype)
+    fp8_dense._gemv_simd(wk, wk_s, bn, bk, e2, k, stab)
+    fp8_dense._gemv_simd(wv, wv_s, bn, bk, e2, v, stab)
+    _gate(h, k, v, eps, inv_sqrt_h, out)

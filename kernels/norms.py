@@ -15,6 +15,7 @@ from numba import njit, prange
 from kernels.cpu_moe import CACHE
 
 
+RMS_EPS = 1e-6             # RMSNorm's eps where the model gives none (the Engram gate's norms)
 LANES = 8                  # independent float64 partial sums (a fixed order: the same bits on every host)
 PARALLEL_ROWS = 16         # rows from which the rows are split over threads (the same per-row arithmetic)
 

@@ -30,6 +30,7 @@ def _decode_step(rng) -> None:
         norms.rmsnorm(f32(T, 64), None, 1e-6, f32(T, 64))
         norms.rope(f32(T, 2, 64), f32(T, 32), f32(T, 32), f32(T, 2, 64))
         router.route(f32(T, 8), f32(8), 1.0, np.empty((T, 2), np.int64), f32(T, 2))
+        router.with_row(np.zeros((T, 2), np.int64), f32(T, 2), 3)
     K, V = f32(9, 16), f32(9, 16)
     ring = (f32(4, 16), f32(4, 16), np.arange(4, dtype=np.int64))
     window_keys.gather(ring, 4, 4, f32(16), f32(16), K, V, 2)
@@ -61,6 +62,8 @@ def _fused_layer(rng, f32) -> None:
                          f32(1, H), f32(1, Q), f32(1, HQ, C), f32(1, C), f32(1, C), f32(1, C), f32(1, 2), f32(1, C), f32(1, C))
     decode_layer.attn_out(f32(1, H), f32(1, HQ * C), *fp8(H, HQ * C), 32, 32, STAB, f32(H), 1e-6, bf16(8, H), f32(8), 1.0,
                           f32(1, H), f32(1, H), np.empty((1, 2), np.int64), f32(1, 2))
+    decode_layer.engram(f32(1, H), u8(8, 32), np.full((8, 1), 120, np.uint8), np.arange(2, dtype=np.int64), E4M3, STAB,
+                        *fp8(H, 64), *fp8(H, 64), 32, 32, 1e-6, 0.125, f32(1, H))
     ring = (f32(4, C), f32(4, C), np.arange(4, dtype=np.int64))
     for n_vis, r in ((6, 1), (-1, 0), (-1, -1)):                      # an index layer, a reuse layer, a window layer
         decode_layer.attend_one(5, 4, 0.25, f32(HQ, C), f32(C), f32(C), *ring, f32(9, C), f32(9, C), f32(HQ, C),

@@ -136,6 +136,16 @@ class EngramStore:
         finally:
             ev.set()
 
+    def held_rows(self, layer: int, row_ids: np.ndarray) -> tuple | None:
+        """Where the table is in memory (host, nvme_mmap): (codes uint8 [N, D], scales uint8 [N, D/32],
+        row ids int64 [T S]) for a caller that gathers them itself (runtime/model/decode.py), counted
+        as `rows` counts them; None for nvme_direct (its reads: `rows`)."""
+        if self.placement == "nvme_direct":
+            return None
+        flat = np.asarray(row_ids, np.int64).reshape(-1)
+        self.counters["rows_requested"] += flat.size
+        return self.codes[layer].view(torch.uint8).numpy(), self.scales[layer].numpy(), flat
+
     def rows(self, layer: int, row_ids: np.ndarray, dtype=torch.float32) -> torch.Tensor:
         """Rows row_ids [T, S] of the layer's table, dequantized -> [T, S, D] `dtype` (on the CPU in one
         numba call, kernels/engram_gate.py: the same bits as formats.dequantize_fp8_rows)."""

@@ -33,6 +33,7 @@ import torch
 from hostinfo import clamp_threads
 from runtime.budget import NVME_BATCH
 from kernels.cpu_moe import Fp4Bank, expert_ffn
+from kernels.router import with_row
 from kernels.threads import concurrent_ok
 from kernels.formats import dequantize_mxfp4, quantize_act
 from runtime.checkpoint.reader import Checkpoint
@@ -301,19 +302,19 @@ class PlacedExperts:
         self.layer_calls += 1
         if self.trace is not None:
             self.trace.record(layer, ids_np)
-        need = np.unique(ids_np)                               # a verify batch reads the union of its tokens' experts
-        self.experts_read += len(need)
         if self._host_only(layer, len(x)):   # every expert in the host bank, no slots: the one CPU call, no split
-            self.cache.misses += len(need)
             ride = shared and self.shared_row[layer] is not None
-            sub, w = ids_np, w_np
             if ride:                                       # the shared expert after the routed ones (`_cpu_part`)
-                sub = np.concatenate([sub, np.full((len(x), 1), self.shared_row[layer], np.int64)], 1)
-                w = np.concatenate([w, np.ones((len(x), 1), np.float32)], 1)
+                sub, w, n = with_row(ids_np, w_np, self.shared_row[layer])
+            else:
+                sub, w, n = ids_np, w_np, len(np.unique(ids_np))
+            self.experts_read += n                         # a verify batch reads the union of its tokens' experts
+            self.cache.misses += n
             y = self._run(self.host[layer], x, sub, w, "cpu_moe")
             self.seconds["moe_layer_total"] += time.perf_counter() - t_layer
             return self._finish(layer, x, y, own_shared=shared and not ride)
-        need = need.tolist()
+        need = np.unique(ids_np).tolist()
+        self.experts_read += len(need)
         if self.stream is not None and self.stream.wants(len(x)):   # a wide prefill call: stream to the device
             y = self.stream.run(self, layer, x, ids_np, w_np, need)
             self.seconds["moe_layer_total"] += time.perf_counter() - t_layer

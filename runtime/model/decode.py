@@ -12,6 +12,7 @@ at a time; forwards of one model run one after another); the layer's output h2 i
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +20,8 @@ import torch
 
 from kernels import decode_layer
 from kernels.cpu_moe import STAB
+from kernels.fp8_dense import E4M3
+from kernels.norms import RMS_EPS
 
 
 def _fp8(w) -> tuple:
@@ -62,6 +65,7 @@ class FusedLayer:
         self.gate = _bf16(get("ffn.gate", self.routed))
         self.bias = w[p + "ffn.gate.bias"].numpy() if self.routed else np.zeros(0, np.float32)
         self.norms = [w[p + n + ".weight"].numpy() for n in ("attn_norm", "attn.kv_norm", "ffn_norm")]
+        self.engram_w = [*_fp8(w[p + "engram.wk.weight"]), *_fp8(w[p + "engram.wv.weight"])] if i in cfg.engram_layer_ids else None
 
     @classmethod
     def make(cls, cfg, w, i: int, rows: int) -> "FusedLayer | None":
@@ -73,6 +77,8 @@ class FusedLayer:
             fp8.append(w.get(p + "attn.wi_q.weight"))
         if i in cfg.kv_source_layers and i < cfg.num_encoder_layers:
             fp8 += [w.get(p + "attn.wkv_c.weight"), w.get(p + "attn.wi_k.weight")]
+        if i in cfg.engram_layer_ids:
+            fp8 += [w.get(p + "engram.wk.weight"), w.get(p + "engram.wv.weight")]
         bf16 = ([w.get(p + "attn.wi_w.weight")] if cfg.layer_mode(i) != "window" and cfg.index_source_of(i) == i else []) + \
                ([w.get(p + "ffn.gate.weight")] if i >= cfg.n_hash_layers else [])
         if not decode_layer.fits(rows, fp8, bf16) or len({x.block for x in fp8}) != 1:
@@ -89,6 +95,15 @@ class FusedLayer:
                              n["a"], n["ql"], n["q"], n["cw"], n["kn"], n["qi"] if self.index else e,
                              n["wh"] if self.index else e, n["lat"] if self.source else e, n["ik"] if self.source else e)
         return work.t
+
+    def engram(self, h: torch.Tensor, table: tuple) -> torch.Tensor:
+        """An Engram layer's h + gate v (kernels/decode_layer.py engram) from table = (codes, scales, row
+        ids [S slots]) as EngramStore.held_rows gives them -> a new tensor."""
+        out = torch.empty_like(h)
+        bn, bk = self.block
+        decode_layer.engram(h.numpy(), *table, E4M3, STAB, *self.engram_w, bn, bk, RMS_EPS, 1.0 / math.sqrt(h.shape[1]),
+                            out.numpy())
+        return out
 
     def attn_out(self, h: torch.Tensor, o: np.ndarray, work: Work) -> torch.Tensor:
         """o [S, Hq, C] -> h2 = h + o wo^T (a new tensor); m, and on routed layers ids, wts, in `work`."""

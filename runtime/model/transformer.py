@@ -36,6 +36,7 @@ from kernels import decode_layer, engram_gate, indexer_top, latent_rows, norms, 
 from kernels.arrays import numba_ok
 from kernels.decode_layer import MAX_ROWS
 from kernels.formats import KV_FP4_GROUP
+from kernels.norms import RMS_EPS
 from kernels.engram_hash import engram_rows, slot_ranges, slot_seeds
 from kernels.threads import torch_threads
 from runtime.config import ModelConfig
@@ -43,9 +44,6 @@ from runtime.model.attention import attend, attend_decode, select
 from runtime.model.decode import NO_INDEX, NO_LATENTS, NO_ROWS, FusedLayer, Work, work_shapes
 from runtime.model.kv import SeqState
 from runtime.model.weights import linear
-
-
-RMS_EPS = 1e-6            # rmsnorm's default eps (the Engram gate's norms)
 
 
 def rmsnorm(x, w=None, eps=RMS_EPS):
@@ -217,10 +215,16 @@ class Model:
         attention, or at the encoder's end for the decoder's, and kv_source_of(i) <= i), so they are
         never stale within the forward."""
         c = self.cfg
-        if i in c.engram_layer_ids:
-            h = self._engram(i, h, rows[i])               # its wait is `engram_wait`, its linears `dense`
-        t0 = time.perf_counter()
         fused = self._fused(i, segs, fw)
+        if i in c.engram_layer_ids:
+            held = fused and self.engram.held_rows(i, rows[i])
+            if held:                                      # in memory: the whole layer in one call, `dense`
+                t0 = time.perf_counter()
+                h = fused.engram(h, held)
+                self.phases.add("dense", t0)
+            else:
+                h = self._engram(i, h, rows[i])           # its wait is `engram_wait`, its linears `dense`
+        t0 = time.perf_counter()
         x = fused.attn_in(h, *fw["rope_np"], fw["work"]) if fused else self._attn_in(i, h, pos, fw)
         if i in c.kv_source_layers and i < c.num_encoder_layers:
             for sg in segs:

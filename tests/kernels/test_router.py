@@ -2,6 +2,7 @@
 tensors) against torch's form (the one a GPU runs): the same experts, best first, and weights within
 float32 rounding; of equal scores the lower expert id."""
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -40,3 +41,14 @@ def test_ties_go_to_the_lower_expert_best_first():
     router.route(logits.numpy(), bias.numpy(), 1.0, ids.numpy(), wts.numpy())
     assert ids.tolist() == [[1, 3, 4, 0], [2, 5, 0, 1]]
     assert np.allclose(wts.sum(-1).numpy(), 1.0)
+
+
+@pytest.mark.parametrize("T,K,seed", [(1, 6, 0), (5, 4, 1), (8, 8, 2)])
+def test_with_row_is_the_numpy_concatenation(T, K, seed):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 12, (T, K)).astype(np.int64)
+    wts = rng.random((T, K)).astype(np.float32)
+    sub, w, n = router.with_row(ids, wts, 32)
+    np.testing.assert_array_equal(sub, np.concatenate([ids, np.full((T, 1), 32)], 1))
+    np.testing.assert_array_equal(w, np.concatenate([wts, np.ones((T, 1), np.float32)], 1))
+    assert sub.dtype == np.int64 and w.dtype == np.float32 and n == len(np.unique(ids))

@@ -19,7 +19,7 @@ class Spy:
 
     def __init__(self, monkeypatch):
         self.n = {}
-        for name in ("attn_in", "attend_one", "attn_out"):
+        for name in ("attn_in", "attend_one", "attn_out", "engram"):
             f = getattr(decode_layer, name)
             monkeypatch.setattr(decode_layer, name, self._wrap(name, f))
 
@@ -59,7 +59,8 @@ def test_fused_decode_is_the_unfused_to_the_bit(tiny_dir, monkeypatch):
     spy = Spy(monkeypatch)
     fused, calls = _generate(ck, prompt, True, spy)
     L, steps = c.num_hidden_layers, 7                        # 8 tokens: the first from the prefill
-    assert calls == {"attn_in": L * steps, "attend_one": L * steps, "attn_out": L * steps}
+    assert calls == {"attn_in": L * steps, "attend_one": L * steps, "attn_out": L * steps,
+                     "engram": len(c.engram_layer_ids) * steps}             # the Engram tables held in memory
     plain, calls = _generate(ck, prompt, False, spy)
     assert calls == {}
     _same(fused, plain)
@@ -162,3 +163,12 @@ def test_the_held_intermediates_are_what_the_budget_counts(tiny_dir, full_skelet
         plan = Plan(max_num_seqs=seqs)
         S = min(seqs, decode_layer.MAX_ROWS)
         assert decode_work_bytes(plan, ck.footprint()) == Work.make(S, work_shapes(ck.config)).nbytes() > 0
+
+
+def test_engram_read_from_nvme_stays_a_read_in_the_fused_step(tiny_dir, monkeypatch):
+    """nvme_direct: the rows come from the reader (EngramStore.rows), the rest of the layer fused."""
+    ck = Checkpoint(tiny_dir)
+    spy = Spy(monkeypatch)
+    fused, calls = _generate(ck, _prompt(ck.config), True, spy, engram_placement="nvme_direct")
+    assert "engram" not in calls and calls["attn_in"] > 0
+    _same(fused, _generate(ck, _prompt(ck.config), False, spy, engram_placement="nvme_direct")[0])
