@@ -9,6 +9,7 @@ These two calls run the same kernels on the same rows, so their bits are the unf
             cw = rmsnorm(a wkv^T, kv_norm) [S, C];  kn = rope(cw) [S, C]
             index layer:  qi = ql wi_q^T [S, Hi Di],  wh = a wi_w^T [S, Hi] (BF16)
             source layer: lat = a wkv_c^T [S, C],  ik = a wi_k^T [S, Di]
+  source_in a decoder kv source's latent and index key from the encoder's output (its own norm)
   attend_one  one sequence's query: the indexer's top rows (index layer), its selected rows
             dequantized and roped (when the layer's (kv source, index source) pair differs from the
             last one's), the attention over them and the window, the window's write
@@ -138,3 +139,13 @@ def engram(h, codes, scales, ids, lut, stab, wk, wk_s, wv, wv_s, bn, bk, eps, in
     fp8_dense._gemv_simd(wk, wk_s, bn, bk, e2, k, stab)
     fp8_dense._gemv_simd(wv, wv_s, bn, bk, e2, v, stab)
     _gate(h, k, v, eps, inv_sqrt_h, out)
+
+
+@njit(nogil=True, cache=CACHE)
+def source_in(h, attn_norm, eps, bn, bk, stab, wkvc, wkvc_s, wik, wik_s, lat, ik):
+    """A decoder kv source's inputs from the encoder's output h [S, H]: a = rmsnorm(h, its attn_norm),
+    lat = a wkv_c^T [S, C], ik = a wi_k^T [S, Di] (written in place)."""
+    a = np.empty(h.shape, h.dtype)
+    _rows(h, attn_norm, eps, np.empty(h.shape[0], h.dtype), a)
+    fp8_dense._gemv_simd(wkvc, wkvc_s, bn, bk, a, lat, stab)
+    fp8_dense._gemv_simd(wik, wik_s, bn, bk, a, ik, stab)

@@ -44,6 +44,8 @@ def _decode_step(rng) -> None:
                          np.arange(3, dtype=np.int64), f32(3, 8), f32(3, 8), f32(3, 16), f32(3, 16))
     kv_quant.fp4_e4m3(torch.from_numpy(f32(1, 16)))                          # a compressed row's formats
     kv_quant.fp8_rowscale(torch.from_numpy(f32(1, 16)))
+    kv_quant.write_rows((f32(2, 16), f32(2, 8), np.full(2, -1, np.int64)), np.arange(1, dtype=np.int64), f32(1, 16), f32(1, 8), 1,
+                        (np.zeros((4, 8), np.uint8), np.zeros((4, 1), np.uint8)), (np.zeros((4, 8), np.uint8), np.zeros(4, np.float32)))
     _fused_layer(rng, f32)
     for T in (1, 4):                                                          # Engram rows and gate
         engram_gate.rows(rng.integers(0, 0x7e, (8, 64), dtype=np.uint8), np.full((8, 2), 120, np.uint8),
@@ -64,6 +66,7 @@ def _fused_layer(rng, f32) -> None:
                           f32(1, H), f32(1, H), np.empty((1, 2), np.int64), f32(1, 2))
     decode_layer.engram(f32(1, H), u8(8, 32), np.full((8, 1), 120, np.uint8), np.arange(2, dtype=np.int64), E4M3, STAB,
                         *fp8(H, 64), *fp8(H, 64), 32, 32, 1e-6, 0.125, f32(1, H))
+    decode_layer.source_in(f32(1, H), f32(H), 1e-6, 32, 32, STAB, *fp8(C, H), *fp8(C, H), f32(1, C), f32(1, C))
     ring = (f32(4, C), f32(4, C), np.arange(4, dtype=np.int64))
     for n_vis, r in ((6, 1), (-1, 0), (-1, -1)):                      # an index layer, a reuse layer, a window layer
         decode_layer.attend_one(5, 4, 0.25, f32(HQ, C), f32(C), f32(C), *ring, f32(9, C), f32(9, C), f32(HQ, C),

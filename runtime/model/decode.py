@@ -66,6 +66,8 @@ class FusedLayer:
         self.bias = w[p + "ffn.gate.bias"].numpy() if self.routed else np.zeros(0, np.float32)
         self.norms = [w[p + n + ".weight"].numpy() for n in ("attn_norm", "attn.kv_norm", "ffn_norm")]
         self.engram_w = [*_fp8(w[p + "engram.wk.weight"]), *_fp8(w[p + "engram.wv.weight"])] if i in cfg.engram_layer_ids else None
+        self.decoder_source = i in cfg.kv_source_layers and i >= cfg.num_encoder_layers   # written at the encoder's end
+        self.source_w = [*_fp8(get("attn.wkv_c")), *_fp8(get("attn.wi_k"))] if self.source or self.decoder_source else None
 
     @classmethod
     def make(cls, cfg, w, i: int, rows: int) -> "FusedLayer | None":
@@ -75,7 +77,7 @@ class FusedLayer:
         fp8 = [w.get(p + n + ".weight") for n in ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo")]
         if cfg.layer_mode(i) != "window" and cfg.index_source_of(i) == i:
             fp8.append(w.get(p + "attn.wi_q.weight"))
-        if i in cfg.kv_source_layers and i < cfg.num_encoder_layers:
+        if i in cfg.kv_source_layers:
             fp8 += [w.get(p + "attn.wkv_c.weight"), w.get(p + "attn.wi_k.weight")]
         if i in cfg.engram_layer_ids:
             fp8 += [w.get(p + "engram.wk.weight"), w.get(p + "engram.wv.weight")]
@@ -95,6 +97,15 @@ class FusedLayer:
                              n["a"], n["ql"], n["q"], n["cw"], n["kn"], n["qi"] if self.index else e,
                              n["wh"] if self.index else e, n["lat"] if self.source else e, n["ik"] if self.source else e)
         return work.t
+
+    def source_in(self, h: torch.Tensor, work: Work) -> tuple:
+        """A decoder kv source's (latents, index keys) [S, C], [S, Di] from the encoder's output h: views
+        of `work` (Compressed.write consumes them at once)."""
+        bn, bk = self.block
+        S = len(h)
+        decode_layer.source_in(h.numpy(), self.norms[0], self.cfg.rms_norm_eps, bn, bk, STAB, *self.source_w,
+                               work.n["lat"][:S], work.n["ik"][:S])
+        return work.t["lat"][:S], work.t["ik"][:S]
 
     def engram(self, h: torch.Tensor, table: tuple) -> torch.Tensor:
         """An Engram layer's h + gate v (kernels/decode_layer.py engram) from table = (codes, scales, row

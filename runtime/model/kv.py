@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.arrays import numba_ok, numpy_views
-from kernels import indexer_top, latent_rows, window_keys
+from kernels import indexer_top, kv_quant, latent_rows, window_keys
 from kernels.formats import dequantize_fp4_e4m3, dequantize_fp8_rowscale
 from kernels.kv_quant import fp4_e4m3, fp8_rowscale
 from runtime.config import ModelConfig
@@ -78,7 +78,13 @@ class Compressed:
 
     def write(self, pos: torch.Tensor, lat: torch.Tensor, ik: torch.Tensor) -> None:
         """Positions pos [T] (contiguous) with their latents [T, C] and index keys [T, Di]: every row
-        whose last position is among them is (re)computed from its r exact per-position values."""
+        whose last position is among them is (re)computed from its r exact per-position values, their
+        mean (on the CPU in float32 in one call, kernels/kv_quant.py write_rows: summed in float64;
+        the torch form, a GPU's, sums in float32)."""
+        if (self.lat_views is not None and self.dtype == torch.float32 and lat.dtype == ik.dtype == torch.float32
+                and numba_ok(pos, lat, ik) and kv_quant.write_rows(self.tail.views, *numpy_views(pos, lat, ik), self.r,
+                                                                   self.lat_views, self.ik_views)):
+            return
         r, p0, p1 = self.r, int(pos[0]), int(pos[-1]) + 1
         g0, g1 = p0 // r, p1 // r                                  # rows g0..g1-1 complete here
         if g1 > g0:

@@ -183,7 +183,7 @@ class Model:
             if i == enc:                   # decoder global state from the encoder's final hidden states
                 t0 = time.perf_counter()
                 for sg in segs:
-                    self._decoder_sources(sg.st, h[sg.a:sg.b], pos[sg.a:sg.b])
+                    self._decoder_sources(sg.st, h[sg.a:sg.b], pos[sg.a:sg.b], fw)
                 self.phases.add("dense", t0)   # its linears and the KV format's quantizer
                 if decoder_start:
                     keep = (pos >= decoder_start).nonzero().flatten()
@@ -393,10 +393,12 @@ class Model:
     def _write_source(self, st, s, a, pos):
         st.sources[s].write(pos, self.L(f"layers.{s}.attn.wkv_c", a), self.L(f"layers.{s}.attn.wi_k", a))
 
-    def _decoder_sources(self, st, h_enc, pos):
+    def _decoder_sources(self, st, h_enc, pos, fw):
         c = self.cfg
         for s in c.kv_source_layers:
-            if s >= c.num_encoder_layers:
+            if s >= c.num_encoder_layers and fw.get("fused"):                # one call (runtime/model/decode.py)
+                st.sources[s].write(pos, *self._fused_layers[s].source_in(h_enc, fw["work"]))
+            elif s >= c.num_encoder_layers:
                 self._write_source(st, s, rmsnorm(h_enc, self.w[f"layers.{s}.attn_norm.weight"], c.rms_norm_eps), pos)
 
     def _select(self, st, x, a, ql, pos):

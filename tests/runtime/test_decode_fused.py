@@ -19,7 +19,7 @@ class Spy:
 
     def __init__(self, monkeypatch):
         self.n = {}
-        for name in ("attn_in", "attend_one", "attn_out", "engram"):
+        for name in ("attn_in", "attend_one", "attn_out", "engram", "source_in"):
             f = getattr(decode_layer, name)
             monkeypatch.setattr(decode_layer, name, self._wrap(name, f))
 
@@ -59,8 +59,11 @@ def test_fused_decode_is_the_unfused_to_the_bit(tiny_dir, monkeypatch):
     spy = Spy(monkeypatch)
     fused, calls = _generate(ck, prompt, True, spy)
     L, steps = c.num_hidden_layers, 7                        # 8 tokens: the first from the prefill
+    dec_sources = [s for s in c.kv_source_layers if s >= c.num_encoder_layers]
+    assert dec_sources and c.engram_layer_ids
     assert calls == {"attn_in": L * steps, "attend_one": L * steps, "attn_out": L * steps,
-                     "engram": len(c.engram_layer_ids) * steps}             # the Engram tables held in memory
+                     "engram": len(c.engram_layer_ids) * steps,            # the Engram tables held in memory
+                     "source_in": len(dec_sources) * steps}
     plain, calls = _generate(ck, prompt, False, spy)
     assert calls == {}
     _same(fused, plain)
