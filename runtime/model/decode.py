@@ -1,6 +1,6 @@
 """A decode step's layer with its dense work in two numba calls (kernels/decode_layer.py), on the CPU.
 
-Model._layer takes this path when every sequence of the step gives one token (decode, a decode batch of
+Model._forward_many takes this path when every sequence of the step gives one token (decode, a decode batch of
 S < decode_layer.MAX_ROWS + 1 rows), the model is float32 on the CPU and the layer's weights are held
 as FP8 / BF16 that the SIMD GEMVs take (`FusedLayer.make` -> None otherwise). The same kernels on the
 same rows as the unfused path: the same bits (tests/runtime/test_decode_fused.py), ~20 fewer calls a
@@ -8,7 +8,9 @@ layer between two MoE reads. What a layer computes besides its output is consume
 an index layer's top rows, within the forward), so those buffers (`Work`, runtime/budget.py
 decode_work_bytes) are made for the step's width and kept for the next step of that width (one width
 at a time; forwards of one model run one after another); the layer's output h2 is new each layer
-(sequences keep references to it: DSpark's target hidden states).
+(sequences keep references to it: DSpark's target hidden states). The residual stream stays a numpy
+array through the layers (a tensor's `.numpy()` or a `torch.empty` costs ~35 us after a layer's expert
+read, ~2 us warm).
 """
 from __future__ import annotations
 
@@ -87,42 +89,41 @@ class FusedLayer:
             return None
         return cls(cfg, w, i)
 
-    def attn_in(self, h: torch.Tensor, cos: np.ndarray, sin: np.ndarray, work: Work) -> dict:
+    def attn_in(self, h: np.ndarray, cos: np.ndarray, sin: np.ndarray, work: Work) -> dict:
         """-> {a, ql, q, cw, kn, qi, wh, lat, ik}: tensors (views of `work`; the last four only on
         index / source layers)."""
         c, n = self.cfg, work.n
         bn, bk = self.block
         e = np.zeros((len(h), 0), np.float32)
-        decode_layer.attn_in(h.numpy(), self.norms[0], self.norms[1], c.rms_norm_eps, bn, bk, STAB, cos, sin, *self.wq,
+        decode_layer.attn_in(h, self.norms[0], self.norms[1], c.rms_norm_eps, bn, bk, STAB, cos, sin, *self.wq,
                              n["a"], n["ql"], n["q"], n["cw"], n["kn"], n["qi"] if self.index else e,
                              n["wh"] if self.index else e, n["lat"] if self.source else e, n["ik"] if self.source else e)
         return work.t
 
-    def source_in(self, h: torch.Tensor, work: Work) -> tuple:
+    def source_in(self, h: np.ndarray, work: Work) -> tuple:
         """A decoder kv source's (latents, index keys) [S, C], [S, Di] from the encoder's output h: views
         of `work` (Compressed.write consumes them at once)."""
         bn, bk = self.block
         S = len(h)
-        decode_layer.source_in(h.numpy(), self.norms[0], self.cfg.rms_norm_eps, bn, bk, STAB, *self.source_w,
+        decode_layer.source_in(h, self.norms[0], self.cfg.rms_norm_eps, bn, bk, STAB, *self.source_w,
                                work.n["lat"][:S], work.n["ik"][:S])
         return work.t["lat"][:S], work.t["ik"][:S]
 
-    def engram(self, h: torch.Tensor, table: tuple) -> torch.Tensor:
+    def engram(self, h: np.ndarray, table: tuple) -> np.ndarray:
         """An Engram layer's h + gate v (kernels/decode_layer.py engram) from table = (codes, scales, row
-        ids [S slots]) as EngramStore.held_rows gives them -> a new tensor."""
-        out = torch.empty_like(h)
+        ids [S slots]) as EngramStore.held_rows gives them -> a new array."""
+        out = np.empty_like(h)
         bn, bk = self.block
-        decode_layer.engram(h.numpy(), *table, E4M3, STAB, *self.engram_w, bn, bk, RMS_EPS, 1.0 / math.sqrt(h.shape[1]),
-                            out.numpy())
+        decode_layer.engram(h, *table, E4M3, STAB, *self.engram_w, bn, bk, RMS_EPS, 1.0 / math.sqrt(h.shape[1]), out)
         return out
 
-    def attn_out(self, h: torch.Tensor, o: np.ndarray, work: Work) -> torch.Tensor:
-        """o [S, Hq, C] -> h2 = h + o wo^T (a new tensor); m, and on routed layers ids, wts, in `work`."""
+    def attn_out(self, h: np.ndarray, o: np.ndarray, work: Work) -> np.ndarray:
+        """o [S, Hq, C] -> h2 = h + o wo^T (a new array); m, and on routed layers ids, wts, in `work`."""
         c, n = self.cfg, work.n
         bn, bk = self.block
-        h2 = torch.empty_like(h)
-        decode_layer.attn_out(h.numpy(), o.reshape(len(h), -1), *self.wo, bn, bk, STAB, self.norms[2], c.rms_norm_eps,
-                              self.gate, self.bias, c.routed_scaling_factor, h2.numpy(), n["m"], n["ids"], n["wts"])
+        h2 = np.empty_like(h)
+        decode_layer.attn_out(h, o.reshape(len(h), -1), *self.wo, bn, bk, STAB, self.norms[2], c.rms_norm_eps,
+                              self.gate, self.bias, c.routed_scaling_factor, h2, n["m"], n["ids"], n["wts"])
         return h2
 
 

@@ -179,6 +179,9 @@ class Model:
         enc = c.num_encoder_layers
         sel: list = [{} for _ in segs]
         fw = {"rope": rope_tables(pos, c.kv_lora_rank // 2, c.rope_theta, self.dtype)}   # what this forward's layers share
+        fw["fused"] = self._fused_step(segs, fw)
+        if fw["fused"]:                    # the fused decode keeps the residual stream in numpy (runtime/model/decode.py)
+            h = h.numpy()
         for i in range(c.num_hidden_layers):
             if i == enc:                   # decoder global state from the encoder's final hidden states
                 t0 = time.perf_counter()
@@ -198,7 +201,8 @@ class Model:
             h = self._layer(segs, i, h, pos, tok, rows, sel, fw)
             if i in c.dspark_target_layer_ids:
                 for sg in segs:
-                    sg.st.target_hidden[i] = h[sg.a:sg.b]
+                    sg.st.target_hidden[i] = torch.as_tensor(h[sg.a:sg.b])
+        h = torch.as_tensor(h)
         for sg in segs:
             sg.st.pos += sg.T
             sg.st.final_hidden = h[sg.a:sg.b]
@@ -215,13 +219,15 @@ class Model:
         attention, or at the encoder's end for the decoder's, and kv_source_of(i) <= i), so they are
         never stale within the forward."""
         c = self.cfg
-        fused = self._fused(i, segs, fw)
+        fused = self._fused_layers[i] if fw["fused"] else None        # h: numpy [S, H] when fused, else a tensor
         if i in c.engram_layer_ids:
             held = fused and self.engram.held_rows(i, rows[i])
             if held:                                      # in memory: the whole layer in one call, `dense`
                 t0 = time.perf_counter()
                 h = fused.engram(h, held)
                 self.phases.add("dense", t0)
+            elif fused:
+                h = self._engram(i, torch.from_numpy(h), rows[i]).numpy()
             else:
                 h = self._engram(i, h, rows[i])           # its wait is `engram_wait`, its linears `dense`
         t0 = time.perf_counter()
@@ -241,23 +247,17 @@ class Model:
             m, ids, wts = self._moe_in(i, h, tok)
             self.phases.seconds["dense"] += (t_att - t0) + (time.perf_counter() - t_wo)   # linears, norms, rope
             return h + self.experts.routed(i, m, ids, wts, shared=bool(c.n_shared_experts))
-        h = fused.attn_out(h, out, fw["work"])         # a new tensor: the MoE's output is added into it
+        h = fused.attn_out(h, out, fw["work"])         # a new array: the MoE's output is added into it
         n = fw["work"].n
         ids, wts = (n["ids"], n["wts"]) if i >= c.n_hash_layers else (t.numpy() for t in self._hash_route(i, tok))
         self.phases.seconds["dense"] += (t_att - t0) + (time.perf_counter() - t_wo)
-        hn = h.numpy()
-        hn += self.experts.routed_np(i, n["m"], ids, wts, shared=bool(c.n_shared_experts))
+        h += self.experts.routed_np(i, n["m"], ids, wts, shared=bool(c.n_shared_experts))
         return h
 
-    def _fused(self, i, segs, fw):
-        """Layer i's fused decode calls (runtime/model/decode.py) when this forward takes them: every
-        sequence gives one token, at most decode_layer.MAX_ROWS of them, and every layer's weights fit
-        (all layers or none: the fused attention keeps the selections its own way). Else None."""
-        if "fused" not in fw:
-            fw["fused"] = self._fused_step(segs, fw)
-        return self._fused_layers[i] if fw["fused"] else None
-
     def _fused_step(self, segs, fw) -> bool:
+        """Whether this forward takes the fused decode calls (runtime/model/decode.py): every sequence
+        gives one token, at most decode_layer.MAX_ROWS of them, and every layer's weights fit (all layers
+        or none: the fused attention keeps the selections its own way). Sets fw's buffers if so."""
         c, S = self.cfg, len(segs)
         if (not self.fuse_decode or S > MAX_ROWS or any(sg.b - sg.a != 1 for sg in segs) or self.device != "cpu"
                 or self.dtype != torch.float32):
