@@ -142,12 +142,13 @@ def forward_shared_bytes(plan: Plan, fp: Footprint, itemsize: int = 4) -> int:
 def decode_work_bytes(plan: Plan, fp: Footprint) -> int:
     """The fused decode's intermediates (runtime/model/decode.py `Work`), held by the model between
     forwards for its last decode width S <= min(max_num_seqs, decode_layer.MAX_ROWS), per row: a, m [H],
-    q, o [Hq C], ql [q], cw, kn, lat [C], qi [Hi Di], wh [Hi], ik [Di] floats, ids, wts [K] (12 B) and
-    each index layer's top rows [k] (ids and flags, 9 B)."""
+    q, o [Hq C], ql [q], cw, kn, lat [C], the RoPE tables [C] (cos, sin: C/2 each), qi [Hi Di], wh [Hi],
+    ik [Di] floats, ids, wts [K] (12 B) and each index layer's top rows [k] (ids and flags, 9 B). Its
+    decode buffers are `forward_shared_bytes`' rows."""
     from kernels.decode_layer import MAX_ROWS       # here: the kernels bring numba and torch, this module stays light
     S = min(plan.max_num_seqs, MAX_ROWS)
     H, C, HqC = fp.hidden_size, fp.kv_lora_rank, fp.num_attention_heads * fp.kv_lora_rank
-    floats = 2 * H + 2 * HqC + fp.q_lora_rank + 3 * C + fp.index_n_heads * (fp.index_head_dim + 1) + fp.index_head_dim
+    floats = 2 * H + 2 * HqC + fp.q_lora_rank + 4 * C + fp.index_n_heads * (fp.index_head_dim + 1) + fp.index_head_dim
     return S * (4 * floats + 12 * fp.top_k + 9 * fp.index_topk * len(fp.index_ratios))
 
 

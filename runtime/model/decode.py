@@ -36,14 +36,18 @@ def _bf16(w) -> np.ndarray:
 
 @dataclass
 class Work:
-    """A step's per-layer intermediates (torch tensors and their numpy views, the same memory)."""
+    """A step's per-layer intermediates (torch tensors and their numpy views, the same memory), and its
+    decode buffers kv = (keys, values) [S, rows, C] (Model._decode_buffers' rows; counted with the
+    forward's shared tensors, runtime/budget.py forward_shared_bytes)."""
     t: dict
     n: dict
+    kv: tuple = ()
 
     @classmethod
-    def make(cls, S: int, shapes: dict) -> "Work":
+    def make(cls, S: int, shapes: dict, kv_shape: tuple = (0, 0)) -> "Work":
         t = {k: torch.empty((S,) + s, dtype=dt) for k, (s, dt) in shapes.items()}
-        return cls(t, {k: v.numpy() for k, v in t.items()})
+        kv = tuple(np.empty((S,) + tuple(kv_shape), np.float32) for _ in range(2))
+        return cls(t, {k: v.numpy() for k, v in t.items()}, kv)
 
     def nbytes(self) -> int:
         return sum(v.nbytes for v in self.n.values())
@@ -133,7 +137,7 @@ def work_shapes(cfg) -> dict:
     C, Hq, H, k, f = cfg.kv_lora_rank, cfg.num_attention_heads, cfg.hidden_size, cfg.index_topk, torch.float32
     out = {"a": ((H,), f), "ql": ((cfg.q_lora_rank,), f), "q": ((Hq, C), f), "cw": ((C,), f), "kn": ((C,), f),
            "qi": ((cfg.index_n_heads * cfg.index_head_dim,), f), "wh": ((cfg.index_n_heads,), f), "lat": ((C,), f),
-           "ik": ((cfg.index_head_dim,), f), "o": ((Hq, C), f), "m": ((H,), f),
+           "ik": ((cfg.index_head_dim,), f), "o": ((Hq, C), f), "m": ((H,), f), "cos": ((C // 2,), f), "sin": ((C // 2,), f),
            "ids": ((cfg.num_experts_per_tok,), torch.long), "wts": ((cfg.num_experts_per_tok,), f)}
     for x in sorted({cfg.index_source_of(i) for i in range(cfg.num_hidden_layers) if cfg.layer_mode(i) != "window"}):
         out[f"idx{x}"], out[f"ok{x}"] = ((k,), torch.long), ((k,), torch.bool)

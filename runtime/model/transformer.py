@@ -178,10 +178,12 @@ class Model:
             self.engram.prefetch(rows)     # every read issued now: they overlap the layers before each Engram layer
         enc = c.num_encoder_layers
         sel: list = [{} for _ in segs]
-        fw = {"rope": rope_tables(pos, c.kv_lora_rank // 2, c.rope_theta, self.dtype)}   # what this forward's layers share
-        fw["fused"] = self._fused_step(segs, fw)
+        fw = {}                            # what this forward's layers share
+        fw["fused"] = not decoder_start and self._fused_step(segs, fw)   # bounded replay's prompt: unfused
         if fw["fused"]:                    # the fused decode keeps the residual stream in numpy (runtime/model/decode.py)
             h = h.numpy()
+        else:
+            fw["rope"] = rope_tables(pos, c.kv_lora_rank // 2, c.rope_theta, self.dtype)
         for i in range(c.num_hidden_layers):
             if i == enc:                   # decoder global state from the encoder's final hidden states
                 t0 = time.perf_counter()
@@ -267,11 +269,14 @@ class Model:
             self._fused_layers = layers if all(layers) else [None] * c.num_hidden_layers
         if self._fused_layers[0] is None or not hasattr(self.experts, "routed_np"):
             return False
-        if self._work is None or len(self._work.n["a"]) != S:         # one width held (runtime/budget.py)
+        rows = self._decode_rows(segs[0].st)
+        if self._work is None or self._work.kv[0].shape[:2] != (S, rows):   # one width held (runtime/budget.py)
             self._work = None
-            self._work = Work.make(S, work_shapes(c))
-        fw["work"], fw["rope_np"] = self._work, tuple(t.numpy() for t in fw["rope"])
+            self._work = Work.make(S, work_shapes(c), (rows, c.kv_lora_rank))
+        w = fw["work"] = self._work
         fw["inv_freq"] = _inv_freq(c.kv_lora_rank // 2, c.rope_theta).numpy()
+        fw["rope_np"] = w.n["cos"], w.n["sin"]        # this step's positions' tables
+        norms.rope_tables(np.array([sg.st.pos for sg in segs], np.int64), fw["inv_freq"], *fw["rope_np"])
         return True
 
     def _attn_in(self, i, h, pos, fw) -> dict:
@@ -324,8 +329,7 @@ class Model:
         c, n = self.cfg, fw["work"].n
         glob = c.layer_mode(i) != "window"
         xs = c.index_source_of(i) if glob else None
-        if "kv_np" not in fw:
-            fw["kv_np"] = tuple(t.numpy() for t in fw.setdefault("kv", self._decode_buffers(segs[0].st, len(segs))))
+        K, V = fw["work"].kv
         key = (c.kv_source_of(i), xs) if glob else None
         fresh = glob and fw.get("rows", (None,))[0] != key
         n_rows = list(fw["rows"][1]) if glob and not fresh else [0] * len(segs)
@@ -349,7 +353,7 @@ class Model:
             r = -1 if not glob else st.sources[key[0]].r if fresh else 0
             n_rows[j] = decode_layer.attend_one(
                 p, c.window_size, 1.0 / math.sqrt(c.kv_lora_rank), n["q"][j], n["kn"][j], n["cw"][j],
-                *st.windows[i].views, fw["kv_np"][0][j], fw["kv_np"][1][j], n["o"][j], n_vis, *ix, idx, ok,
+                *st.windows[i].views, K[j], V[j], n["o"][j], n_vis, *ix, idx, ok,
                 r, *lat, latent_rows.PAIRS, indexer_top.E4M3, KV_FP4_GROUP, fw["inv_freq"], n_rows[j])
         if fresh:
             fw["rows"] = key, n_rows
@@ -366,12 +370,15 @@ class Model:
             return keys, vals, ok[b0:b1]
         return glob
 
+    def _decode_rows(self, st) -> int:
+        """Rows of a decode query's buffers: index_topk + R + 1, R the window ring's slots."""
+        return (self.cfg.index_topk if self._global_layers else 0) + st.windows[0].R + 1
+
     def _decode_buffers(self, st, S: int):
         """A decode batch's rows (attention.attend_decode), held for the forward: keys and values
-        [S, index_topk + R + 1, C], R the window ring's slots (runtime/budget.py forward_shared_bytes)."""
+        [S, index_topk + R + 1, C] (runtime/budget.py forward_shared_bytes)."""
         c = self.cfg
-        k = c.index_topk if self._global_layers else 0
-        shape = (S, k + st.windows[0].R + 1, c.kv_lora_rank)
+        shape = (S, self._decode_rows(st), c.kv_lora_rank)
         return torch.empty(shape, dtype=self.dtype, device=self.device), torch.empty(shape, dtype=self.dtype, device=self.device)
 
     def _selected_rows_batch(self, srcs, picks, kv):

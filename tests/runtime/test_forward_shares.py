@@ -2,6 +2,7 @@
 and a decode batch's selected rows, once per (kv source, index source) and never stale."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -10,6 +11,7 @@ from runtime import budget
 from runtime.checkpoint.reader import Checkpoint
 from runtime.engine import Engine
 from runtime.model import transformer
+from runtime.model.decode import Work
 from runtime.plan import Plan
 
 
@@ -82,7 +84,7 @@ def test_what_the_layers_share_is_counted_by_the_plan(ck, monkeypatch):
 
     def spy(self, *a):
         out = layer(self, *a)
-        held.append((len(a[2]), sum(t.numel() * t.element_size() for v in a[-1].values() for t in _tensors(v))))
+        held.append((len(a[2]), sum(_nbytes(t) for k, v in a[-1].items() if k != "rope_np" for t in _tensors(v))))
         return out
     monkeypatch.setattr(transformer.Model, "_layer", spy)
     e = Engine(ck, plan)
@@ -99,11 +101,19 @@ def test_what_the_layers_share_is_counted_by_the_plan(ck, monkeypatch):
 
 
 def _tensors(v):
-    if isinstance(v, torch.Tensor):
+    """The arrays a forward's shared value holds; of the fused decode's buffers (runtime/model/decode.py
+    Work) its decode rows: the rest of it, the RoPE tables (`rope_np`) too, is decode_work_bytes'."""
+    if isinstance(v, (torch.Tensor, np.ndarray)):
         yield v
     elif isinstance(v, (tuple, list)):
         for x in v:
             yield from _tensors(x)
+    elif isinstance(v, Work):
+        yield from v.kv
+
+
+def _nbytes(t) -> int:
+    return t.nbytes if isinstance(t, np.ndarray) else t.numel() * t.element_size()
 
 
 def test_the_decoder_sources_are_timed_as_dense(ck, monkeypatch):
