@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels import decode_layer
+from kernels import decode_layer, indexer_top, latent_rows, norms
 from kernels.cpu_moe import STAB
+from kernels.formats import KV_FP4_GROUP
 from kernels.fp8_dense import E4M3
 from kernels.norms import RMS_EPS
 
@@ -129,6 +130,66 @@ class FusedLayer:
         decode_layer.attn_out(h, o.reshape(len(h), -1), *self.wo, bn, bk, STAB, self.norms[2], c.rms_norm_eps,
                               self.gate, self.bias, c.routed_scaling_factor, h2, n["m"], n["ids"], n["wts"])
         return h2
+
+
+class FusedDecode:
+    """A model's fused decode state: every layer's FusedLayer (None where one does not fit: then no
+    layer is fused, the fused attention keeping the selections its own way), the held `Work`."""
+
+    def __init__(self, cfg, w, inv_freq: np.ndarray):
+        layers = [FusedLayer.make(cfg, w, i, decode_layer.MAX_ROWS) for i in range(cfg.num_hidden_layers)]
+        self.cfg, self.layers, self.work, self.inv_freq = cfg, layers if all(layers) else None, None, inv_freq
+
+    def begin(self, segs, rows: int, fw) -> bool:
+        """A decode step of len(segs) one-token sequences, decode buffers of `rows` rows: fw's work and
+        its positions' RoPE tables (`rope_np`). -> False where the layers do not fit."""
+        if self.layers is None:
+            return False
+        S, c = len(segs), self.cfg
+        if self.work is None or self.work.kv[0].shape[:2] != (S, rows):   # one width held (runtime/budget.py)
+            self.work = None                                              # the old freed before the new
+            self.work = Work.make(S, work_shapes(c), (rows, c.kv_lora_rank))
+        fw["work"] = self.work
+        fw["rope_np"] = self.work.n["cos"], self.work.n["sin"]
+        norms.rope_tables(np.array([sg.st.pos for sg in segs], np.int64), self.inv_freq, *fw["rope_np"])
+        return True
+
+    def attention(self, segs, i, sel, fw) -> np.ndarray:
+        """Model._attention for a fused decode step: each sequence's query in one call
+        (kernels/decode_layer.py attend_one, the window's write included). sel[j][x] holds the top
+        rows' count k; their ids sit in the step's buffers of index layer x. -> [S, Hq, C] (numpy)."""
+        c, n = self.cfg, fw["work"].n
+        glob = c.layer_mode(i) != "window"
+        xs = c.index_source_of(i) if glob else None
+        K, V = fw["work"].kv
+        key = (c.kv_source_of(i), xs) if glob else None
+        fresh = glob and fw.get("rows", (None,))[0] != key
+        n_rows = list(fw["rows"][1]) if glob and not fresh else [0] * len(segs)
+        for j, sg in enumerate(segs):
+            st, p = sg.st, sg.st.pos
+            n_vis, ix = -1, NO_INDEX
+            if xs == i:                         # the indexer, over this sequence's rows
+                src = st.sources[c.kv_source_of(i)]
+                n_vis = max(0, (p + 1 - c.window_size) // src.r)
+                k = min(c.index_topk, n_vis) if n_vis else 1
+                sel[j][i] = k
+                ix = (*src.ik_views, indexer_top.E4M3, n["qi"][j].reshape(c.index_n_heads, c.index_head_dim), n["wh"][j])
+                if n_vis:
+                    st.indexer_peak_bytes = max(st.indexer_peak_bytes, n_vis * 4 + k * 9 + n_vis * 12)   # as `select`
+            if glob:
+                k = sel[j][xs]
+                idx, ok = n[f"idx{xs}"][j, :k], n[f"ok{xs}"][j, :k]
+            else:
+                idx, ok = NO_ROWS
+            lat = st.sources[key[0]].lat_views if fresh else NO_LATENTS
+            r = -1 if not glob else st.sources[key[0]].r if fresh else 0
+            n_rows[j] = decode_layer.attend_one(
+                p, c.window_size, 1.0 / math.sqrt(c.kv_lora_rank), n["q"][j], n["kn"][j], n["cw"][j],
+                *st.windows[i].views, K[j], V[j], n["o"][j], n_vis, *ix, idx, ok,
+                r, *lat, latent_rows.PAIRS, indexer_top.E4M3, KV_FP4_GROUP, self.inv_freq, n_rows[j])
+        if fresh:
+            fw["rows"] = key, n_rows
+        return n["o"]
 
 
 def work_shapes(cfg) -> dict:

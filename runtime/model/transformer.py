@@ -32,16 +32,15 @@ import numpy as np
 import torch
 
 from hostinfo import usable_cores
-from kernels import decode_layer, engram_gate, indexer_top, latent_rows, norms, router
+from kernels import engram_gate, norms, router
 from kernels.arrays import numba_ok
 from kernels.decode_layer import MAX_ROWS
-from kernels.formats import KV_FP4_GROUP
 from kernels.norms import RMS_EPS
 from kernels.engram_hash import engram_rows, slot_ranges, slot_seeds
 from kernels.threads import torch_threads
 from runtime.config import ModelConfig
 from runtime.model.attention import attend, attend_decode, select
-from runtime.model.decode import NO_INDEX, NO_LATENTS, NO_ROWS, FusedLayer, Work, work_shapes
+from runtime.model.decode import FusedDecode
 from runtime.model.kv import SeqState
 from runtime.model.weights import linear
 
@@ -123,8 +122,8 @@ class Model:
         self.dtype, self.device = dtype, device
         self.cmap = cmap
         self.phases = Phases()
-        self.fuse_decode = True                    # decode layers' dense work in two calls (runtime/model/decode.py)
-        self._fused_layers, self._work = [], None
+        self.fuse_decode = True                    # decode steps in a few calls a layer (runtime/model/decode.py)
+        self.fused = None                          # its state: FusedDecode, made at the first decode step
         self.torch_threads = usable_cores()        # torch's pool for wide forwards (ONE_POOL_TOKENS)
         self._global_layers = any(cfg.layer_mode(i) != "window" for i in range(cfg.num_hidden_layers))
         if cfg.engram_layer_ids:
@@ -221,7 +220,7 @@ class Model:
         attention, or at the encoder's end for the decoder's, and kv_source_of(i) <= i), so they are
         never stale within the forward."""
         c = self.cfg
-        fused = self._fused_layers[i] if fw["fused"] else None        # h: numpy [S, H] when fused, else a tensor
+        fused = self.fused.layers[i] if fw["fused"] else None          # h: numpy [S, H] when fused, else a tensor
         if i in c.engram_layer_ids:
             held = fused and self.engram.held_rows(i, rows[i])
             if held:                                      # in memory: the whole layer in one call, `dense`
@@ -241,7 +240,7 @@ class Model:
                            (self.L(f"layers.{i}.attn.wkv_c", x["a"][r]), self.L(f"layers.{i}.attn.wi_k", x["a"][r])))
                 sg.st.sources[i].write(pos[r], lat, ik)
         t_att = time.perf_counter()            # attention: the indexer, the selected rows, the window
-        out = self._attention_fused(segs, i, sel, fw) if fused else self._attention(segs, i, x, pos, sel, fw)
+        out = self.fused.attention(segs, i, sel, fw) if fused else self._attention(segs, i, x, pos, sel, fw)
         self.phases.add("attention", t_att)
         t_wo = time.perf_counter()             # the output projection, the MoE's norm and router
         if not fused:
@@ -258,26 +257,15 @@ class Model:
 
     def _fused_step(self, segs, fw) -> bool:
         """Whether this forward takes the fused decode calls (runtime/model/decode.py): every sequence
-        gives one token, at most decode_layer.MAX_ROWS of them, and every layer's weights fit (all layers
-        or none: the fused attention keeps the selections its own way). Sets fw's buffers if so."""
-        c, S = self.cfg, len(segs)
-        if (not self.fuse_decode or S > MAX_ROWS or any(sg.b - sg.a != 1 for sg in segs) or self.device != "cpu"
-                or self.dtype != torch.float32):
+        gives one token, at most decode_layer.MAX_ROWS of them, the model is float32 on the CPU with
+        every layer's weights in forms the calls take. Sets fw's buffers if so."""
+        if (not self.fuse_decode or len(segs) > MAX_ROWS or any(sg.b - sg.a != 1 for sg in segs) or self.device != "cpu"
+                or self.dtype != torch.float32 or not hasattr(self.experts, "routed_np")):
             return False
-        if not self._fused_layers:
-            layers = [FusedLayer.make(c, self.w, i, MAX_ROWS) for i in range(c.num_hidden_layers)]
-            self._fused_layers = layers if all(layers) else [None] * c.num_hidden_layers
-        if self._fused_layers[0] is None or not hasattr(self.experts, "routed_np"):
-            return False
-        rows = self._decode_rows(segs[0].st)
-        if self._work is None or self._work.kv[0].shape[:2] != (S, rows):   # one width held (runtime/budget.py)
-            self._work = None
-            self._work = Work.make(S, work_shapes(c), (rows, c.kv_lora_rank))
-        w = fw["work"] = self._work
-        fw["inv_freq"] = _inv_freq(c.kv_lora_rank // 2, c.rope_theta).numpy()
-        fw["rope_np"] = w.n["cos"], w.n["sin"]        # this step's positions' tables
-        norms.rope_tables(np.array([sg.st.pos for sg in segs], np.int64), fw["inv_freq"], *fw["rope_np"])
-        return True
+        if self.fused is None:
+            c = self.cfg
+            self.fused = FusedDecode(c, self.w, _inv_freq(c.kv_lora_rank // 2, c.rope_theta).numpy())
+        return self.fused.begin(segs, self._decode_rows(segs[0].st), fw)
 
     def _attn_in(self, i, h, pos, fw) -> dict:
         """The unfused form of FusedLayer.attn_in: the attention's inputs from h [T, H]."""
@@ -321,43 +309,6 @@ class Model:
         for sg in segs:
             sg.st.windows[i].write(pos[sg.a:sg.b], k_new[sg.a:sg.b], cw[sg.a:sg.b])
         return out
-
-    def _attention_fused(self, segs, i, sel, fw):
-        """`_attention` for a fused decode step: each sequence's query in one call
-        (kernels/decode_layer.py attend_one, the window's write included). sel[j][x] holds the top
-        rows' count k; their ids sit in the step's buffers of index layer x. -> [S, Hq, C] (numpy)."""
-        c, n = self.cfg, fw["work"].n
-        glob = c.layer_mode(i) != "window"
-        xs = c.index_source_of(i) if glob else None
-        K, V = fw["work"].kv
-        key = (c.kv_source_of(i), xs) if glob else None
-        fresh = glob and fw.get("rows", (None,))[0] != key
-        n_rows = list(fw["rows"][1]) if glob and not fresh else [0] * len(segs)
-        for j, sg in enumerate(segs):
-            st, p = sg.st, sg.st.pos
-            n_vis, ix = -1, NO_INDEX
-            if xs == i:                         # the indexer, over this sequence's rows
-                src = st.sources[c.kv_source_of(i)]
-                n_vis = max(0, (p + 1 - c.window_size) // src.r)
-                k = min(c.index_topk, n_vis) if n_vis else 1
-                sel[j][i] = k
-                ix = (*src.ik_views, indexer_top.E4M3, n["qi"][j].reshape(c.index_n_heads, c.index_head_dim), n["wh"][j])
-                if n_vis:
-                    st.indexer_peak_bytes = max(st.indexer_peak_bytes, n_vis * 4 + k * 9 + n_vis * 12)   # as `select`
-            if glob:
-                k = sel[j][xs]
-                idx, ok = n[f"idx{xs}"][j, :k], n[f"ok{xs}"][j, :k]
-            else:
-                idx, ok = NO_ROWS
-            lat = st.sources[key[0]].lat_views if fresh else NO_LATENTS
-            r = -1 if not glob else st.sources[key[0]].r if fresh else 0
-            n_rows[j] = decode_layer.attend_one(
-                p, c.window_size, 1.0 / math.sqrt(c.kv_lora_rank), n["q"][j], n["kn"][j], n["cw"][j],
-                *st.windows[i].views, K[j], V[j], n["o"][j], n_vis, *ix, idx, ok,
-                r, *lat, latent_rows.PAIRS, indexer_top.E4M3, KV_FP4_GROUP, fw["inv_freq"], n_rows[j])
-        if fresh:
-            fw["rows"] = key, n_rows
-        return n["o"]
 
     def _selected_rows(self, src, idx, ok):
         """-> glob(b0, b1): queries b0..b1-1's selected rows, dequantized: (roped keys, values, ok)."""
@@ -404,7 +355,7 @@ class Model:
         c = self.cfg
         for s in c.kv_source_layers:
             if s >= c.num_encoder_layers and fw.get("fused"):                # one call (runtime/model/decode.py)
-                st.sources[s].write(pos, *self._fused_layers[s].source_in(h_enc, fw["work"]))
+                st.sources[s].write(pos, *self.fused.layers[s].source_in(h_enc, fw["work"]))
             elif s >= c.num_encoder_layers:
                 self._write_source(st, s, rmsnorm(h_enc, self.w[f"layers.{s}.attn_norm.weight"], c.rms_norm_eps), pos)
 
