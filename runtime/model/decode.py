@@ -1,16 +1,18 @@
-"""A decode step's layer with its dense work in two numba calls (kernels/decode_layer.py), on the CPU.
+"""A decode step's layers in a few numba calls each (kernels/decode_layer.py), on the CPU.
 
-Model._forward_many takes this path when every sequence of the step gives one token (decode, a decode batch of
-S < decode_layer.MAX_ROWS + 1 rows), the model is float32 on the CPU and the layer's weights are held
-as FP8 / BF16 that the SIMD GEMVs take (`FusedLayer.make` -> None otherwise). The same kernels on the
-same rows as the unfused path: the same bits (tests/runtime/test_decode_fused.py), ~20 fewer calls a
-layer between two MoE reads. What a layer computes besides its output is consumed within the layer (or,
-an index layer's top rows, within the forward), so those buffers (`Work`, runtime/budget.py
-decode_work_bytes) are made for the step's width and kept for the next step of that width (one width
-at a time; forwards of one model run one after another); the layer's output h2 is new each layer
-(sequences keep references to it: DSpark's target hidden states). The residual stream stays a numpy
-array through the layers (a tensor's `.numpy()` or a `torch.empty` costs ~35 us after a layer's expert
-read, ~2 us warm).
+Model._forward_many takes this path when every sequence of the step gives one token (decode, a decode
+batch of at most decode_layer.MAX_ROWS rows), the model is float32 on the CPU and every layer's weights
+are held as FP8 / BF16 that the SIMD GEMVs take (`FusedLayer.make` -> None otherwise). Per layer:
+`attn_in`, one `attend_one` per sequence, `attn_out`, then the MoE call (and an Engram layer held in
+memory, a decoder kv source: one call each). The same kernels on the same rows as the unfused path:
+the same bits (tests/runtime/test_decode_fused.py), ~20 fewer Python-level calls a layer between two
+MoE reads, each of which costs 10-80 us there (kernels/lab/README.md, "a fourth session").
+What a layer computes besides its output is consumed within the layer (or, an index layer's top rows,
+within the forward), so those buffers (`Work`, runtime/budget.py decode_work_bytes) are made for the
+step's width and kept for the next step of that width (one width at a time; forwards of one model run
+one after another); the layer's output h2 is new each layer (sequences keep references to it:
+DSpark's target hidden states). The residual stream stays a numpy array through the layers (a
+tensor's `.numpy()` or a `torch.empty` costs ~35 us after a layer's expert read, ~2 us warm).
 """
 from __future__ import annotations
 
@@ -61,9 +63,7 @@ class FusedLayer:
         p = f"layers.{i}."
         get = lambda n, use=True: w[p + n + ".weight"] if use else None          # noqa: E731
         self.cfg = cfg
-        self.index = cfg.layer_mode(i) != "window" and cfg.index_source_of(i) == i
-        self.source = i in cfg.kv_source_layers and i < cfg.num_encoder_layers
-        self.routed = i >= cfg.n_hash_layers
+        self.index, self.source, self.decoder_source, self.routed, engram = self.roles(cfg, i)
         self.block = get("attn.wq_a").block
         self.wq = [*_fp8(get("attn.wq_a")), *_fp8(get("attn.wq_b")), *_fp8(get("attn.wkv")),
                    *_fp8(get("attn.wi_q", self.index)), _bf16(get("attn.wi_w", self.index)),
@@ -72,24 +72,26 @@ class FusedLayer:
         self.gate = _bf16(get("ffn.gate", self.routed))
         self.bias = w[p + "ffn.gate.bias"].numpy() if self.routed else np.zeros(0, np.float32)
         self.norms = [w[p + n + ".weight"].numpy() for n in ("attn_norm", "attn.kv_norm", "ffn_norm")]
-        self.engram_w = [*_fp8(w[p + "engram.wk.weight"]), *_fp8(w[p + "engram.wv.weight"])] if i in cfg.engram_layer_ids else None
-        self.decoder_source = i in cfg.kv_source_layers and i >= cfg.num_encoder_layers   # written at the encoder's end
+        self.engram_w = [*_fp8(get("engram.wk")), *_fp8(get("engram.wv"))] if engram else None
         self.source_w = [*_fp8(get("attn.wkv_c")), *_fp8(get("attn.wi_k"))] if self.source or self.decoder_source else None
+
+    @staticmethod
+    def roles(cfg, i: int) -> tuple:
+        """(index layer, encoder kv source (written in the layer), decoder kv source (written at the
+        encoder's end), router-routed (not hashed), Engram layer) of layer i."""
+        return (cfg.layer_mode(i) != "window" and cfg.index_source_of(i) == i,
+                i in cfg.kv_source_layers and i < cfg.num_encoder_layers, i in cfg.kv_source_layers and i >= cfg.num_encoder_layers,
+                i >= cfg.n_hash_layers, i in cfg.engram_layer_ids)
 
     @classmethod
     def make(cls, cfg, w, i: int, rows: int) -> "FusedLayer | None":
         """Layer i's fused form for steps of up to `rows` rows, or None: a weight held in another form
         (float copies, a device's) or one the SIMD GEMVs do not take, FP8 blocks of more than one shape."""
-        p = f"layers.{i}."
-        fp8 = [w.get(p + n + ".weight") for n in ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo")]
-        if cfg.layer_mode(i) != "window" and cfg.index_source_of(i) == i:
-            fp8.append(w.get(p + "attn.wi_q.weight"))
-        if i in cfg.kv_source_layers:
-            fp8 += [w.get(p + "attn.wkv_c.weight"), w.get(p + "attn.wi_k.weight")]
-        if i in cfg.engram_layer_ids:
-            fp8 += [w.get(p + "engram.wk.weight"), w.get(p + "engram.wv.weight")]
-        bf16 = ([w.get(p + "attn.wi_w.weight")] if cfg.layer_mode(i) != "window" and cfg.index_source_of(i) == i else []) + \
-               ([w.get(p + "ffn.gate.weight")] if i >= cfg.n_hash_layers else [])
+        index, source, decoder_source, routed, engram = cls.roles(cfg, i)
+        fp8 = (["attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo"] + ["attn.wi_q"] * index
+               + ["attn.wkv_c", "attn.wi_k"] * (source or decoder_source) + ["engram.wk", "engram.wv"] * engram)
+        bf16 = ["attn.wi_w"] * index + ["ffn.gate"] * routed
+        fp8, bf16 = ([w.get(f"layers.{i}.{n}.weight") for n in names] for names in (fp8, bf16))
         if not decode_layer.fits(rows, fp8, bf16) or len({x.block for x in fp8}) != 1:
             return None
         return cls(cfg, w, i)
@@ -99,7 +101,7 @@ class FusedLayer:
         index / source layers)."""
         c, n = self.cfg, work.n
         bn, bk = self.block
-        e = np.zeros((len(h), 0), np.float32)
+        e = NO_OUTPUT
         decode_layer.attn_in(h, self.norms[0], self.norms[1], c.rms_norm_eps, bn, bk, STAB, cos, sin, *self.wq,
                              n["a"], n["ql"], n["q"], n["cw"], n["kn"], n["qi"] if self.index else e,
                              n["wh"] if self.index else e, n["lat"] if self.source else e, n["ik"] if self.source else e)
@@ -209,4 +211,5 @@ def work_shapes(cfg) -> dict:
 NO_INDEX = (np.zeros((0, 0), np.uint8), np.zeros(0, np.float32), np.zeros(256, np.float32), np.zeros((0, 0), np.float32),
             np.zeros(0, np.float32))
 NO_ROWS = (np.zeros(1, np.int64), np.zeros(1, np.bool_))
+NO_OUTPUT = np.zeros((0, 0), np.float32)          # decode_layer.attn_in's outputs a layer does not have
 NO_LATENTS = (np.zeros((0, 0), np.uint8), np.zeros((0, 0), np.uint8))
