@@ -1,9 +1,10 @@
-"""A decode step's dense work around attention, in two numba calls per layer (runtime/model/decode.py).
+"""A decode step's layer in a few numba calls (runtime/model/decode.py): the work around attention, the
+attention of each sequence, an Engram layer, a decoder kv source.
 
 Between two layers' CPU-MoE calls (each reads ~100 MB on mini, 0.4 GB on V4.1) the interpreter's,
 torch's and numba's code and state are evicted, and each small op of the unfused layer pays 10-80 us
 to fetch them again (kernels/lab/README.md, "Where the dense phase's glue goes"): ~25 calls a layer.
-These two calls run the same kernels on the same rows, so their bits are the unfused path's:
+These calls run the same kernels on the same rows, so their bits are the unfused path's:
   attn_in   h [S, H] -> a = rmsnorm(h, attn_norm)                          [S, H]
             ql = a wq_a^T [S, q];  q = rope(ql wq_b^T) [S, Hq, C]
             cw = rmsnorm(a wkv^T, kv_norm) [S, C];  kn = rope(cw) [S, C]
