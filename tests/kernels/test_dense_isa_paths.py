@@ -60,3 +60,12 @@ def test_every_isa_path_and_thread_count(runs, request, kernel, path):
     assert out.returncode == 0, out.stderr[-2000:]
     err, same = out.stdout.split()
     assert float(err) < RTOL and same == "True"
+
+
+def test_the_warm_up_compiles_on_the_scalar_path():
+    """kernels/warm.py (what `dsv41-run` calls first) on a host without SIMD: the fused decode's calls
+    take the SIMD GEMVs only, so they are not compiled there (they would not type without lanes)."""
+    env = dict(os.environ, DSV41_CPU_ISA="scalar", NUMBA_NUM_THREADS="2")
+    out = subprocess.run([sys.executable, "-c", "from kernels.warm import warm_up; warm_up(1); print('warm')"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.split() == ["warm"], out.stderr[-2000:]
