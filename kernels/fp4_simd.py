@@ -71,7 +71,10 @@ class _Decoder:
 
 def prefetch_weights(builder, prefetch, ptr):
     """Emit the weight stream's prefetch: WEIGHT_PREFETCH bytes past the i8* `ptr`, into L2 (read at
-    code-emission time: kernels/lab/weight_prefetch.py compiles copies with other values)."""
+    code-emission time: kernels/lab/weight_prefetch.py compiles copies with other values; a negative
+    distance emits none)."""
+    if WEIGHT_PREFETCH < 0:
+        return
     builder.call(prefetch, [builder.gep(ptr, [ir.Constant(i64, WEIGHT_PREFETCH)]), ir.Constant(i32, 0),
                             ir.Constant(i32, WEIGHT_LOCALITY), ir.Constant(i32, 1)])
 

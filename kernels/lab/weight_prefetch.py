@@ -1,14 +1,17 @@
 """Lab: the weight streams' software prefetch (distance x target cache), timed from DRAM.
 
   python -m kernels.lab.weight_prefetch [--kernel fp4 fp8 bf16] [--threads N] [--rounds 16]
+                                        [--configs=2048:3,16384:1,-1:1 ...]
 
 One GEMV per step over fresh 5120-wide rows (rows in order, one input): ds_fp4 through the int8
 CPU-MoE kernel (one expert's gate + up, 4608 rows), FP8 and BF16 through the dense kernels (16384
 rows). Each (distance, locality) is compiled into its own copy of the kernel (kernels/fp4_simd.py
 WEIGHT_PREFETCH, WEIGHT_LOCALITY: read when a kernel's code is emitted); all run interleaved in every
-round (the order reversed every other round), the DRAM stream read once per round. Locality is
+round (the order reversed every other round), the DRAM stream read once per round; a negative
+distance compiles the kernel with no prefetch instruction. Locality is
 llvm.prefetch's: 3 = prefetcht0 (into L1), 1 = prefetcht2 (into L2). Prints each one's median GB/s
-and its per-round ratio to the first configuration.
+and its per-round ratio to the first configuration. The bank spans 4x the host's total LLC (at least
+60 steps of fp4 rows), within the probe's memory budget.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import numpy as np
 from numba import njit, prange
 
 import kernels.fp4_simd as simd
-from hostinfo import probe_budget_bytes, usable_cores
+from hostinfo import llc_bytes, probe_budget_bytes, usable_cores
 from hostinfo.measure import measure
 from kernels.bf16_dense import UNROLL, bf16_dot
 from kernels.cpu_moe import LANES, MODE, ROWS_PER_CHUNK, STAB, _prepare, random_bytes
@@ -58,7 +61,8 @@ def gemv(kernel):
 def weights(kernel, rng):
     """-> (rows a step, bytes a row, (w, s, x)) over a bank within the probe budget (>= 4 steps)."""
     n, row_bytes = (4608, H * 17 / 32) if kernel == "fp4" else (16384, H * (1 if kernel == "fp8" else 2))
-    rows = max(4 * n, min(60 * 4608 * H * 17 // 32, probe_budget_bytes()) // int(row_bytes) // n * n)
+    span = max(60 * 4608 * H * 17 // 32, 4 * llc_bytes())
+    rows = max(4 * n, min(span, probe_budget_bytes()) // int(row_bytes) // n * n)
     x = rng.standard_normal(H).astype(np.float32)
     if kernel == "fp4":
         w, s = random_bytes(rng, (rows, H // 2)), (115 + rng.integers(-1, 2, (rows, H // 32))).astype(np.uint8)
@@ -81,22 +85,22 @@ def compiled(kernel, distance, locality, args):
     return f
 
 
-def run(kernel, threads, rounds):
+def run(kernel, threads, rounds, configs=CONFIGS):
     n, row_bytes, (w, s, x) = weights(kernel, np.random.default_rng(0))
     rows = len(w) * (2 if kernel == "fp4" else 1) // H
     out = np.empty(n, np.float32)
-    fns = {c: compiled(kernel, *c, (w, s, x, out, 0, n)) for c in CONFIGS}
-    samples, streams, step = {c: [] for c in CONFIGS}, [], {"i": 1}
+    fns = {c: compiled(kernel, *c, (w, s, x, out, 0, n)) for c in configs}
+    samples, streams, step = {c: [] for c in configs}, [], {"i": 1}
     for rnd in range(rounds):
         streams.append(dram_stream_read(threads, repeats=2).median)
-        for cfg in (CONFIGS if rnd % 2 == 0 else CONFIGS[::-1]):
+        for cfg in (configs if rnd % 2 == 0 else configs[::-1]):
             def go(f=fns[cfg]):
                 f(w, s, x, out, (step["i"] * n) % (rows - n + 1) // n * n, n)
                 step["i"] += 1
             samples[cfg].append(measure(go, repeats=3, warmup=1).map(lambda t: n * row_bytes / t / 1e9, "GB/s").median)
     print(f"{kernel}: bank {rows * row_bytes / 1e9:.2f} GB, stream {np.median(streams):.1f} GB/s [{min(streams):.1f}-{max(streams):.1f}]")
-    base = np.array(samples[CONFIGS[0]])
-    for cfg in CONFIGS:
+    base = np.array(samples[configs[0]])
+    for cfg in configs:
         r = np.array(samples[cfg]) / base
         print(f"  {cfg[0]:6d} B ahead, locality {cfg[1]}: {np.median(samples[cfg]):5.1f} GB/s; per-round ratio to the first "
               f"{np.median(r):.2f}, above 1 in {(r > 1).sum()} of {len(r)} rounds", flush=True)
@@ -107,12 +111,19 @@ def main(argv=None):
     ap.add_argument("--kernel", nargs="+", default=["fp4", "fp8", "bf16"], choices=["fp4", "fp8", "bf16"])
     ap.add_argument("--threads", type=int, default=usable_cores())
     ap.add_argument("--rounds", type=int, default=16)
+    ap.add_argument("--configs", nargs="+", metavar="BYTES:LOCALITY", help="the first is the baseline "
+                    f"(default {' '.join(f'{d}:{k}' for d, k in CONFIGS)})")
     args = ap.parse_args(argv)
+    try:
+        configs = [tuple(int(v) for v in c.split(":")) for a in args.configs for c in a.split(",")] if args.configs else CONFIGS
+        assert all(len(c) == 2 and c[1] in (0, 1, 2, 3) for c in configs)
+    except (ValueError, AssertionError):
+        raise SystemExit(f"--configs: expected BYTES:LOCALITY pairs (locality 0-3), got {args.configs}")
     if not MODE:
         raise SystemExit("scalar ISA: these kernels have no software prefetch there")
     set_threads(args.threads)
     for kernel in args.kernel:
-        run(kernel, args.threads, args.rounds)
+        run(kernel, args.threads, args.rounds, configs)
 
 
 if __name__ == "__main__":
