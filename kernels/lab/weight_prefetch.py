@@ -112,12 +112,13 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=usable_cores())
     ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--configs", nargs="+", metavar="BYTES:LOCALITY", help="the first is the baseline "
-                    f"(default {' '.join(f'{d}:{k}' for d, k in CONFIGS)})")
+                    f"(default {','.join(f'{d}:{k}' for d, k in CONFIGS)})")
     args = ap.parse_args(argv)
     try:
         configs = [tuple(int(v) for v in c.split(":")) for a in args.configs for c in a.split(",")] if args.configs else CONFIGS
-        assert all(len(c) == 2 and c[1] in (0, 1, 2, 3) for c in configs)
-    except (ValueError, AssertionError):
+    except ValueError:
+        configs = []
+    if not configs or any(len(c) != 2 or c[1] not in (0, 1, 2, 3) for c in configs):
         raise SystemExit(f"--configs: expected BYTES:LOCALITY pairs (locality 0-3), got {args.configs}")
     if not MODE:
         raise SystemExit("scalar ISA: these kernels have no software prefetch there")
