@@ -5,7 +5,10 @@
 For each thread count: DRAM stream read (buffer >= 4x LLC) and the kernel at batch 1 (1 token x top-6)
 over a bank >= 4x LLC, fresh experts every step, in each row layout (`streams` 4: four rows a
 quarter-chunk apart per thread; 1: rows in order), all interleaved in rounds; the faster layout is
-the row's figure (the profiler picks it the same way) and the other is kept beside it. Geometries: V4.1 (5120x2304,
+the row's figure (the profiler picks it the same way) and the other is kept beside it. Every ratio
+is the median of per-round ratios, each round's kernel over the stream read in that round
+(hostinfo.measure.paired_ratio: a VM's bandwidth can flip between phases a few seconds long), with
+its spread over the rounds. Geometries: V4.1 (5120x2304,
 18.80 MB/expert), V4-Flash (4096x2048) and a small one (2048x768). Also, on V4.1: widths 2-8 (GB/s of
 distinct expert bytes), as a DSpark verify whose tokens' experts overlap (top-6 of a pool of 10) and
 as a continuous batch of independent tokens (top-6 of the whole bank), the naive baseline (torch: dequantize to
@@ -33,8 +36,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from autotune.probes.cpu_moe import bank_size  # noqa: E402
 from hostinfo import llc_bytes, usable_cores  # noqa: E402
-from hostinfo.measure import Measurement, measure  # noqa: E402
-from kernels.stream import dram_stream_read  # noqa: E402
+from hostinfo.measure import Measurement, measure, paired_ratio  # noqa: E402
+from kernels.stream import dram_stream_read, stream_buffer  # noqa: E402
 from kernels.int8_peak import measure_peak  # noqa: E402
 from kernels.cpu_moe import DEFAULT_INPUTS, ISA, MODE, ROW_INPUTS, Fp4Bank, dequant_experts, expert_ffn, expert_ffn_dense  # noqa: E402
 
@@ -89,13 +92,24 @@ def row(**kw):
     return kw
 
 
-def interleaved(fns, rounds, steps):
-    """Rounds of every fn(steps) measurement in turn, pooling each one's samples (the machine drifts)."""
-    pooled = [[] for _ in fns]
-    for _ in range(rounds):
-        for f, acc in zip(fns, pooled):
-            acc += f(steps).samples
-    return [Measurement(tuple(v), "GB/s") for v in pooled]
+def rounds_of(fns, rounds, steps):
+    """Rounds of every fn(steps) in turn, the order reversed every other round (the machine drifts): per
+    fn, its Measurement of each round, so a figure can be held against a limit timed in the same round."""
+    out = [[] for _ in fns]
+    for r in range(rounds):
+        for i in (range(len(fns)) if r % 2 == 0 else reversed(range(len(fns)))):
+            out[i].append(fns[i](steps))
+    return out
+
+
+def stream_at(t, buf, note):
+    """A round's stream read at t threads over the shared buffer (2 samples of every variant)."""
+    return lambda n: dram_stream_read(t, repeats=2, buf=buf, note=note)
+
+
+def pooled(ms) -> Measurement:
+    """One Measurement of every round's samples."""
+    return Measurement(tuple(x for m in ms for x in m.samples), ms[0].unit)
 
 
 def main(argv=None):
@@ -105,11 +119,12 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer steps and rounds, V4.1 geometry only")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    steps, rounds = (8, 1) if args.quick else (args.steps, 2)
+    steps, rounds = (8, 6) if args.quick else (args.steps, 12)
     rows, head = [], None
     print(f"ISA {ISA}, LLC {llc_bytes() / 2**20:.0f} MiB, threads {args.threads}", flush=True)
 
-    stream, layouts, peak = {}, {}, None
+    layouts, peak = {}, None
+    buf, buf_note = stream_buffer()                    # one buffer for every round's stream read (first touch once)
     for name, (H, I) in GEOMETRIES.items():
         if args.quick and name != "v4.1":
             continue
@@ -120,24 +135,24 @@ def main(argv=None):
                 step = decode_step(bank, streams=streams)
                 m = measure(step, repeats=n, warmup=2)
                 return gbs(m, step.bytes)
-            s, k4, k1 = interleaved([lambda n, t=t: dram_stream_read(t, repeats=max(3, n // 4)),
-                                     lambda n: kern(n, 4), lambda n: kern(n, 1)], rounds, steps)
-            stream.setdefault(t, []).extend(s.samples)
+            S, K4, K1 = rounds_of([stream_at(t, buf, buf_note), lambda n: kern(n, 4), lambda n: kern(n, 1)], rounds, steps)
+            s, k4, k1 = pooled(S), pooled(K4), pooled(K1)
             best = 1 if k1.median > k4.median else 4
             layouts[(name, t)] = best
-            k, other = (k1, k4) if best == 1 else (k4, k1)
+            (k, K), (other, O) = ((k1, K1), (k4, K4)) if best == 1 else ((k4, K4), (k1, K1))
+            ratio, other_ratio = paired_ratio(K, S), paired_ratio(O, S)
             r = row(geometry=name, shape=f"{H}x{I}", tokens=1, threads=t, bank_gb=round(bank.n_experts * bank.expert_bytes / 1e9, 2),
-                    kernel_gbs=k, stream_gbs=s, ratio=round(k.median / s.median, 3), streams=best,
-                    other_layout_gbs=other, other_layout_ratio=round(other.median / s.median, 3))
+                    kernel_gbs=k, stream_gbs=s, ratio=ratio, streams=best, other_layout_gbs=other, other_layout_ratio=other_ratio,
+                    rounds=len(S))
             rows.append(r)
-            print(f"{name:9s} batch 1  threads {t}: kernel {r['kernel_gbs']:6.2f} GB/s  stream {r['stream_gbs']:6.2f}  ratio {r['ratio']:.2f}"
+            print(f"{name:9s} batch 1  threads {t}: kernel {r['kernel_gbs']:6.2f} GB/s  stream {r['stream_gbs']:6.2f}"
+                  f"  ratio {r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f} over {len(S)} rounds)"
                   f"  (row streams {best}; the other layout {r['other_layout_ratio']:.2f})", flush=True)
             if name == "v4.1" and t == max(args.threads):
                 head = r
         if name == "v4.1":
             t = max(args.threads)
             numba.set_num_threads(t)
-            s_med = float(np.median(stream[t]))
             peak = measure_peak(MODE, t) if MODE else None     # the products' roof of wide calls (kernels/int8_peak.py)
             print(f"int8 products at the kernel's mix, {t} threads: {peak.median / 1e9:.0f} GMAC/s "
                   f"(spread {peak.min / 1e9:.0f}-{peak.max / 1e9:.0f})" if peak else
@@ -147,18 +162,19 @@ def main(argv=None):
             for W in (2, 4, 6, 8):                            # DSpark verify / continuous batching widths
                 for pool, what in ((10, "verify: experts from a pool of 10"), (bank.n_experts, "batch: independent tokens")):
                     vers = {n: decode_step(bank, T=W, pool=pool, streams=lay, inputs=n) for n in choices}
-                    ms = dict(zip(choices, interleaved([lambda k, v=v: gbs(measure(v, repeats=k, warmup=2), v.bytes)
-                                                        for v in vers.values()], rounds, max(4, steps // 2))))
+                    S, *M = rounds_of([stream_at(t, buf, buf_note)] + [lambda k, v=v: gbs(measure(v, repeats=k, warmup=2), v.bytes) for v in vers.values()],
+                                      rounds, max(4, steps // 2))
+                    ms = {n: pooled(m) for n, m in zip(choices, M)}
                     best = max(choices, key=lambda n: ms[n].median)
-                    ver = vers[best]
+                    ver, K = vers[best], M[choices.index(best)]
                     r = row(geometry=name, shape=f"{H}x{I}", tokens=W, threads=t, kernel_gbs=ms[best], inputs=best,
-                            stream_gbs=round(s_med, 3), pool=pool, note=f"{W}-token {what} (GB/s of distinct experts)",
+                            stream_gbs=pooled(S), ratio=paired_ratio(K, S), pool=pool, note=f"{W}-token {what} (GB/s of distinct experts)",
                             **{f"inputs_{n}_gbs": ms[n] for n in choices if n != best})
-                    r["ratio"] = round(r["kernel_gbs"] / s_med, 3)
                     roof = ""
                     if peak:                                  # GB/s of distinct bytes the products allow
-                        r["compute_roof_gbs"] = round(peak.median * ver.bytes / ver.macs / 1e9, 3)
-                        r["roof_ratio"] = round(r["kernel_gbs"] / min(s_med, r["compute_roof_gbs"]), 3)
+                        cap = peak.median * ver.bytes / ver.macs / 1e9
+                        lim = [Measurement((min(x.median, cap),), "GB/s") for x in S]
+                        r.update(row(compute_roof_gbs=round(cap, 3), roof_ratio=paired_ratio(K, lim)))
                         roof = f"  (products' roof {r['compute_roof_gbs']:.1f} GB/s; of min(stream, roof) {r['roof_ratio']:.2f})"
                     rows.append(r)
                     others = "".join(f"; {n}: {ms[n].median:.2f} GB/s" for n in choices if n != best)

@@ -72,3 +72,14 @@ def measure(fn, repeats: int = 10, warmup: int = 2, setup=None) -> Measurement:
         fn()
         out.append(time.perf_counter() - t0)
     return Measurement(tuple(out), "s")
+
+
+def paired_ratio(num, den) -> Measurement:
+    """Round by round, num[i].median / den[i].median: a figure over a limit measured beside it in the same
+    round -> the ratios as one Measurement (unit "ratio"). Its median is the figure to print, not the
+    ratio of pooled medians: on a VM whose DRAM bandwidth flips between phases a few seconds long (the Zen
+    4 VM: 2-thread stream 35 or 63 GB/s), a pooled median divides a kernel timed in one phase by a stream
+    timed in the other (kernels/lab/README.md)."""
+    if len(num) != len(den) or not num:
+        raise ValueError(f"paired_ratio: {len(num)} figures against {len(den)} limits; one of each per round")
+    return Measurement(tuple(n.median / d.median for n, d in zip(num, den)), "ratio")

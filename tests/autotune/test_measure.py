@@ -70,3 +70,24 @@ def test_every_stream_variant_reads_every_element_once():
     b = np.zeros(n, np.float32)
     b[::97] = 1.0                                         # not a sum any layout could get by reading one part twice
     assert _sum_streams(b, 2, 4, 32) == b.sum()
+
+
+def test_a_ratio_is_taken_round_by_round_against_the_limit_timed_beside_it():
+    """A VM whose bandwidth flips between two phases (36 and 64 GB/s): the kernel reads 0.8 of the stream
+    of its own phase, and in one round of five the phase flipped between the stream read and the kernel.
+    The median of the per-round ratios says 0.8; the pooled medians divide a slow-phase kernel by a
+    fast-phase stream."""
+    from hostinfo.measure import paired_ratio
+    streams = [64.0, 36.0, 36.0, 64.0, 64.0]
+    kernels = [0.8 * s for s in (64.0, 36.0, 36.0, 64.0, 36.0)]      # the last round's kernel ran in the slow phase
+    S = [Measurement((s, s), "GB/s") for s in streams]
+    K = [Measurement((k,), "GB/s") for k in kernels]
+    r = paired_ratio(K, S)
+    assert r.unit == "ratio" and len(r.samples) == 5
+    assert abs(r.median - 0.8) < 1e-12 and abs(r.min - 0.45) < 1e-12
+    pooled = np.median(kernels) / np.median([x for m in S for x in m.samples])
+    assert abs(pooled - 0.45) < 1e-12                               # what a ratio of pooled medians says
+    with pytest.raises(ValueError, match="2 figures against 1 limits"):
+        paired_ratio(K[:2], S[:1])
+    with pytest.raises(ValueError, match="one of each per round"):
+        paired_ratio([], [])
