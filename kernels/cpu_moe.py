@@ -46,6 +46,8 @@ ROWS_PER_CHUNK = 64          # rows per parallel work item (multiple of 4)
 ROW_STREAMS = (1, 4)         # DRAM streams a thread reads at once: rows in order, or 4 rows a quarter-chunk apart
 DEFAULT_STREAMS = 1          # where nothing was measured: rows in order won on 3 of the 4 hosts measured (kernels/lab/README.md)
 ROW_INPUTS = (4, 8)          # the most inputs one row decode serves with rows in order (4 rows apart: always 4)
+L1_INPUT_BYTES = 24 << 10    # a block's inputs kept under this in a wide slot (`_matvecs`): every x86 L1D since
+                             # Core 2 holds 32 KiB or more, which leaves room for the rows passing through
 DEFAULT_INPUTS = 4           # where nothing was measured: 8 won on the Emerald Rapids VM, 4 on the Zen 4 VM (`_rows`)
 DENSE_MIN_TOKENS = 256       # tokens per expert from which dequantize + torch matmul may win (measured here: the
                              # GEMV kernel is still ahead at 256 without AMX; on AMX hosts re-measure)
@@ -253,7 +255,12 @@ def _matvecs(codes, scales, experts, off, xq, xc, xr, out, streams, inputs):
     4 reads rows r, r+q, r+2q, r+3q of a chunk together (4 DRAM streams per thread), 1 reads them in
     order (one stream); which is faster is a fact of the host (the profiler measures both). Each row's
     arithmetic is the same either way: the outputs are bit-identical. inputs (ROW_INPUTS): the most
-    inputs one row decode serves with rows in order; the same bits either way too."""
+    inputs one row decode serves with rows in order; the same bits either way too.
+    A slot of more inputs than one block takes a block of them over the chunk's rows, then the next
+    block over the same rows (from L2), so a block's inputs (K bytes each) stay in L1 while the rows
+    pass; a slot wider than 8 inputs of K > L1_INPUT_BYTES / 8 takes blocks of 4. Before, each row
+    met all its slot's inputs, which then came from L2 for every row: a prefill slot of 8-64 inputs on
+    the Zen 4 VM (w13, K = 5120) ran 1.28-1.31x faster this way (kernels/lab/README.md)."""
     S = len(experts)
     N = out.shape[1]
     K = xq.shape[1]
@@ -268,17 +275,22 @@ def _matvecs(codes, scales, experts, off, xq, xc, xr, out, streams, inputs):
         r0 = (c % per) * ROWS_PER_CHUNK
         r1 = min(r0 + ROWS_PER_CHUNK, N)
         e = experts[s]
-        if streams == 1 and inputs == 8:
-            for r in range(r0, r1):
-                _rows(1, 8, cf, (e * N + r) * c_row, 0, sf, (e * N + r) * s_row, 0, qf, cxf, rf, off[s], off[s + 1], K, of, r, N, 0)
-        elif streams == 1:
-            for r in range(r0, r1):
-                _rows(1, 4, cf, (e * N + r) * c_row, 0, sf, (e * N + r) * s_row, 0, qf, cxf, rf, off[s], off[s + 1], K, of, r, N, 0)
-        else:
-            q = (r1 - r0) // 4                             # N is a multiple of 32: whole 4-row blocks
-            for r in range(r0, r0 + q):                    # rows r, r+q, r+2q, r+3q: 4 DRAM streams
-                _rows(4, 4, cf, (e * N + r) * c_row, q * c_row, sf, (e * N + r) * s_row, q * s_row, qf, cxf, rf, off[s], off[s + 1],
-                      K, of, r, N, q)
+        B = inputs if streams == 1 else 4
+        if off[s + 1] - off[s] > B and B * K > L1_INPUT_BYTES:
+            B = 4                                          # a wide slot: blocks whose inputs stay in L1
+        for j0 in range(off[s], off[s + 1], B):           # a block of inputs over the chunk's rows, then the next
+            j1 = min(j0 + B, off[s + 1])
+            if streams == 1 and inputs == 8:
+                for r in range(r0, r1):
+                    _rows(1, 8, cf, (e * N + r) * c_row, 0, sf, (e * N + r) * s_row, 0, qf, cxf, rf, j0, j1, K, of, r, N, 0)
+            elif streams == 1:
+                for r in range(r0, r1):
+                    _rows(1, 4, cf, (e * N + r) * c_row, 0, sf, (e * N + r) * s_row, 0, qf, cxf, rf, j0, j1, K, of, r, N, 0)
+            else:
+                q = (r1 - r0) // 4                         # N is a multiple of 32: whole 4-row blocks
+                for r in range(r0, r0 + q):                # rows r, r+q, r+2q, r+3q: 4 DRAM streams
+                    _rows(4, 4, cf, (e * N + r) * c_row, q * c_row, sf, (e * N + r) * s_row, q * s_row, qf, cxf, rf, j0, j1,
+                          K, of, r, N, q)
 
 
 def _rows(R, B, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j0, j1, K, of, r, N, or_stride):

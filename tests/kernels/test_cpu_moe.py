@@ -201,6 +201,22 @@ def test_batch_invariant_a_token_alone_or_in_a_verify_batch():
             assert np.array_equal(batch[t], expert_ffn(x[t:t + 1], ids[t:t + 1], w[t:t + 1], bank)[0]), (T, t)
 
 
+def test_a_wide_slot_takes_its_inputs_block_by_block_over_the_rows_with_the_same_bits():
+    """A slot of more inputs than one block passes a block over the chunk's rows, then the next
+    (`_matvecs`: the block's inputs stay in L1); with rows of K > L1_INPUT_BYTES / 8 an 8-input decode
+    takes blocks of 4 there. 13 tokens on the same two experts: every layout and inputs choice gives
+    the reference's values and the bits each token gets alone."""
+    H, T = 4096, 13
+    assert 8 * H > cpu_moe.L1_INPUT_BYTES >= 8 * 64          # w13's inputs (K = H) go 4 at a time, w2's (K = I = 64) 8
+    bank, x, _, w = _case(21, 3, H, 64, T, 2)
+    ids = np.tile(np.array([1, 2]), (T, 1))
+    ys = [expert_ffn(x, ids, w, bank, streams=s, inputs=n) for s, n in ((1, 8), (1, 4), (4, 4))]
+    _check(ys[0], expert_ffn_reference(x, ids, w, bank))
+    assert all(np.array_equal(ys[0], y) for y in ys[1:])
+    for t in (0, 4, 8, 12):
+        assert np.array_equal(ys[0][t], expert_ffn(x[t:t + 1], ids[t:t + 1], w[t:t + 1], bank, inputs=8)[0]), t
+
+
 def test_unassigned_entries_are_skipped_not_computed():
     """-1 marks no assignment (a split call's other experts): nothing is computed for it. Expert 0 has
     NaN scales here, so computing it with weight 0 (the old masking) would poison the output."""
