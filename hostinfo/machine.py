@@ -1,6 +1,6 @@
 """Host facts: the one place dsv41 reads anything about the machine it runs on.
 
-ISA, last-level cache (every distinct domain, not only cpu0's), usable cores, RAM, NUMA nodes, O_DIRECT
+ISA, last-level cache (every distinct domain, not only cpu0's), L1 data cache, usable cores, RAM, NUMA nodes, O_DIRECT
 support of a filesystem, CUDA. Nothing else in the project reads /proc, /sys, cpuid or psutil for these.
 Each fact has an environment override, so the tests run the whole product under host shapes other
 than the one they run on (docs/host-overrides.md):
@@ -8,6 +8,7 @@ than the one they run on (docs/host-overrides.md):
   DSV41_CPU_ISA      avx512vnni | avx512 | avx2 | scalar   the kernels' SIMD path (narrower than the CPU's only)
   DSV41_LLC_MIB      MiB per last-level cache domain
   DSV41_LLC_DOMAINS  how many distinct last-level cache domains (default 1 with DSV41_LLC_MIB)
+  DSV41_L1D_KIB      KiB of one core's L1 data cache
   DSV41_CORES        usable cores (never above what the process may really run on)
   DSV41_RAM_GIB      total RAM; available RAM is capped to it
   DSV41_NUMA_NODES   NUMA nodes
@@ -18,6 +19,7 @@ than the one they run on (docs/host-overrides.md):
 """
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from dataclasses import asdict, dataclass
@@ -153,6 +155,27 @@ def llc_bytes() -> int:
     return sum(llc_domains())
 
 
+def l1d_bytes() -> int:
+    """One core's L1 data cache (cpu0's level-1 data cache in sysfs): what a kernel keeps its reused inputs
+    under (kernels/cpu_moe.py `l1_input_bytes`). Unknown: 32 KiB, the least of any x86 core since Core 2."""
+    kib = _env_num("DSV41_L1D_KIB")
+    if kib is not None:
+        return kib << 10
+    return _l1d_sysfs() or 32 << 10
+
+
+@functools.lru_cache(maxsize=1)
+def _l1d_sysfs() -> int | None:
+    """Read once: the CPU-MoE call asks for it on every call."""
+    for cache in sorted(_SYS_CPU.glob("cpu0/cache/index[0-9]*")):
+        try:
+            if int((cache / "level").read_text()) == 1 and (cache / "type").read_text().strip() == "Data":
+                return _size((cache / "size").read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 # -------------------------------------------------------------------------------------- cores
 def _cgroup_cpus() -> float | None:
     try:
@@ -275,6 +298,7 @@ class HostFacts:
     cpu_flags: tuple
     usable_cores: int
     llc_domains_mib: tuple
+    l1d_kib: int
     ram_gib: float
     numa_nodes: int
     cuda: bool
@@ -284,7 +308,7 @@ class HostFacts:
         return asdict(self)
 
 
-OVERRIDES = ("DSV41_CPU_ISA", "DSV41_LLC_MIB", "DSV41_LLC_DOMAINS", "DSV41_CORES", "DSV41_RAM_GIB",
+OVERRIDES = ("DSV41_CPU_ISA", "DSV41_LLC_MIB", "DSV41_LLC_DOMAINS", "DSV41_L1D_KIB", "DSV41_CORES", "DSV41_RAM_GIB",
              "DSV41_NUMA_NODES", "DSV41_O_DIRECT", "DSV41_CUDA", "DSV41_PROBE_MIB")
 
 
@@ -295,5 +319,5 @@ def overrides() -> tuple:
 
 def facts() -> HostFacts:
     return HostFacts(arch(), cpu_model(), isa(), tuple(cpu_flags()), usable_cores(),
-                     tuple(round(b / 2**20, 2) for b in llc_domains()), round(ram_total_bytes() / 2**30, 1),
+                     tuple(round(b / 2**20, 2) for b in llc_domains()), l1d_bytes() >> 10, round(ram_total_bytes() / 2**30, 1),
                      numa_nodes(), cuda_available(), overrides())

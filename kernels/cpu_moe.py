@@ -27,7 +27,7 @@ import torch
 from numba import njit, prange, types
 from numba.extending import overload
 
-from hostinfo import isa
+from hostinfo import isa, l1d_bytes
 from kernels import ISA_CACHE
 from kernels.formats import dequantize_mxfp4, quantize_act
 from kernels.fp4_i8 import LUT16, OFFSET, fp4_i8_dot, superblock_bytes
@@ -46,11 +46,18 @@ ROWS_PER_CHUNK = 64          # rows per parallel work item (multiple of 4)
 ROW_STREAMS = (1, 4)         # DRAM streams a thread reads at once: rows in order, or 4 rows a quarter-chunk apart
 DEFAULT_STREAMS = 1          # where nothing was measured: rows in order won on 3 of the 4 hosts measured (kernels/lab/README.md)
 ROW_INPUTS = (4, 8)          # the most inputs one row decode serves with rows in order (4 rows apart: always 4)
-L1_INPUT_BYTES = 24 << 10    # a block's inputs kept under this in a wide slot (`_matvecs`): every x86 L1D since
-                             # Core 2 holds 32 KiB or more, which leaves room for the rows passing through
 DEFAULT_INPUTS = 4           # where nothing was measured: 8 won on the Emerald Rapids VM, 4 on the Zen 4 VM (`_rows`)
 DENSE_MIN_TOKENS = 256       # tokens per expert from which dequantize + torch matmul may win (measured here: the
                              # GEMV kernel is still ahead at 256 without AMX; on AMX hosts re-measure)
+
+
+def l1_input_bytes() -> int:
+    """What a slot's inputs may take before `_matvecs_wide` passes them over the rows in blocks: 7/8 of this
+    core's L1 data cache, the rest left to the row passing through (the L1D is a host fact: hostinfo,
+    `DSV41_L1D_KIB`). On the Zen 4 VM (32 KiB) 5 inputs of 5120 bytes ran faster as one block, 6 as
+    blocks of 4 (kernels/lab/README.md)."""
+    return l1d_bytes() * 7 // 8
+
 
 STAB = np.array([np.float32(2.0) ** (b - 127) if b != 255 else np.nan for b in range(256)], dtype=np.float32)
 E2M1_F32 = np.array(E2M1, dtype=np.float32)
@@ -255,12 +262,7 @@ def _matvecs(codes, scales, experts, off, xq, xc, xr, out, streams, inputs):
     4 reads rows r, r+q, r+2q, r+3q of a chunk together (4 DRAM streams per thread), 1 reads them in
     order (one stream); which is faster is a fact of the host (the profiler measures both). Each row's
     arithmetic is the same either way: the outputs are bit-identical. inputs (ROW_INPUTS): the most
-    inputs one row decode serves with rows in order; the same bits either way too.
-    A slot of more inputs than one block takes a block of them over the chunk's rows, then the next
-    block over the same rows (from L2), so a block's inputs (K bytes each) stay in L1 while the rows
-    pass; a slot wider than 8 inputs of K > L1_INPUT_BYTES / 8 takes blocks of 4. Before, each row
-    met all its slot's inputs, which then came from L2 for every row: a prefill slot of 8-64 inputs on
-    the Zen 4 VM (w13, K = 5120) ran 1.28-1.31x faster this way (kernels/lab/README.md)."""
+    inputs one row decode serves with rows in order; the same bits either way too."""
     S = len(experts)
     N = out.shape[1]
     K = xq.shape[1]
@@ -275,10 +277,47 @@ def _matvecs(codes, scales, experts, off, xq, xc, xr, out, streams, inputs):
         r0 = (c % per) * ROWS_PER_CHUNK
         r1 = min(r0 + ROWS_PER_CHUNK, N)
         e = experts[s]
-        B = inputs if streams == 1 else 4
-        if off[s + 1] - off[s] > B and B * K > L1_INPUT_BYTES:
-            B = 4                                          # a wide slot: blocks whose inputs stay in L1
-        for j0 in range(off[s], off[s + 1], B):           # a block of inputs over the chunk's rows, then the next
+        if streams == 1 and inputs == 8:
+            for r in range(r0, r1):
+                _rows(1, 8, cf, (e * N + r) * c_row, 0, sf, (e * N + r) * s_row, 0, qf, cxf, rf, off[s], off[s + 1], K, of, r, N, 0)
+        elif streams == 1:
+            for r in range(r0, r1):
+                _rows(1, 4, cf, (e * N + r) * c_row, 0, sf, (e * N + r) * s_row, 0, qf, cxf, rf, off[s], off[s + 1], K, of, r, N, 0)
+        else:
+            q = (r1 - r0) // 4                             # N is a multiple of 32: whole 4-row blocks
+            for r in range(r0, r0 + q):                    # rows r, r+q, r+2q, r+3q: 4 DRAM streams
+                _rows(4, 4, cf, (e * N + r) * c_row, q * c_row, sf, (e * N + r) * s_row, q * s_row, qf, cxf, rf, off[s], off[s + 1],
+                      K, of, r, N, q)
+
+
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _matvecs_wide(codes, scales, experts, off, xq, xc, xr, out, streams, inputs, l1_inputs):
+    """`_matvecs` for a call with a slot whose inputs (K bytes each) pass l1_inputs bytes
+    (`l1_input_bytes`): there a block of inputs passes over the chunk's rows, then the next block over
+    the same rows (from L2), so the block's inputs stay in L1 while the rows pass (8 inputs a decode
+    where 8 fit, else 4); a slot that fits meets each row once. In `_matvecs` each row meets all its
+    slot's inputs, which for a wide slot then come from L2 for every row: one expert's pass at 8-64
+    inputs on the Zen 4 VM (32 KiB L1D) ran 1.2-1.3x faster this way, the same bits (kernels/lab/README.md).
+    A function of its own: the block loop inside `_matvecs` slowed its batch-1 calls by 3-14% in L3
+    (the code around the inlined dot kernels changed), and batch 1 never needs it."""
+    S = len(experts)
+    N = out.shape[1]
+    K = xq.shape[1]
+    c_row, s_row = K // 2, K // 32
+    qf, cxf, rf = xq.reshape(-1), xc.reshape(-1), xr.reshape(-1)
+    of = out.reshape(-1)
+    cf = codes.reshape(-1)
+    sf = scales.reshape(-1)
+    per = (N + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK
+    for c in prange(S * per):
+        s = c // per
+        r0 = (c % per) * ROWS_PER_CHUNK
+        r1 = min(r0 + ROWS_PER_CHUNK, N)
+        e = experts[s]
+        B = off[s + 1] - off[s]
+        if B * K > l1_inputs:
+            B = inputs if streams == 1 and inputs * K <= l1_inputs else 4
+        for j0 in range(off[s], off[s + 1], B):
             j1 = min(j0 + B, off[s + 1])
             if streams == 1 and inputs == 8:
                 for r in range(r0, r1):
@@ -287,10 +326,19 @@ def _matvecs(codes, scales, experts, off, xq, xc, xr, out, streams, inputs):
                 for r in range(r0, r1):
                     _rows(1, 4, cf, (e * N + r) * c_row, 0, sf, (e * N + r) * s_row, 0, qf, cxf, rf, j0, j1, K, of, r, N, 0)
             else:
-                q = (r1 - r0) // 4                         # N is a multiple of 32: whole 4-row blocks
-                for r in range(r0, r0 + q):                # rows r, r+q, r+2q, r+3q: 4 DRAM streams
+                q = (r1 - r0) // 4
+                for r in range(r0, r0 + q):
                     _rows(4, 4, cf, (e * N + r) * c_row, q * c_row, sf, (e * N + r) * s_row, q * s_row, qf, cxf, rf, j0, j1,
                           K, of, r, N, q)
+
+
+@njit(nogil=True, cache=CACHE)
+def _passes(codes, scales, experts, off, xq, xc, xr, out, streams, inputs, l1_inputs):
+    """One weight pass: `_matvecs`, or `_matvecs_wide` where a slot's inputs pass l1_inputs bytes."""
+    if np.max(off[1:] - off[:-1]) * xq.shape[1] > l1_inputs:
+        _matvecs_wide(codes, scales, experts, off, xq, xc, xr, out, streams, inputs, l1_inputs)
+    else:
+        _matvecs(codes, scales, experts, off, xq, xc, xr, out, streams, inputs)
 
 
 def _rows(R, B, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j0, j1, K, of, r, N, or_stride):
@@ -452,12 +500,12 @@ def expert_ffn(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, bank: Fp4Bank, t
         raise ValueError(f"expert_ffn: inputs must be one of {ROW_INPUTS}, got {inputs}")
     set_threads(threads)
     y = np.zeros((T, H), np.float32) if out is None else out
-    _ffn(x, ids, wts, bank.w13_codes, bank.w13_scales, bank.w2_codes, bank.w2_scales, streams, inputs, y)
+    _ffn(x, ids, wts, bank.w13_codes, bank.w13_scales, bank.w2_codes, bank.w2_scales, streams, inputs, l1_input_bytes(), y)
     return y
 
 
 @njit(nogil=True, cache=CACHE)
-def _ffn(x, ids, wts, w13_codes, w13_scales, w2_codes, w2_scales, streams, inputs, y):
+def _ffn(x, ids, wts, w13_codes, w13_scales, w2_codes, w2_scales, streams, inputs, l1_inputs, y):
     """expert_ffn's steps in one compiled call (its parallel kernels launched from here, no Python
     between them). In the mini decode on the Zen 2 VM the steps around the two weight passes took
     ~0.28 ms a call (planning 47 us with the wrapper, quantizing 57 + 62, SwiGLU 86, combine 26),
@@ -468,11 +516,11 @@ def _ffn(x, ids, wts, w13_codes, w13_scales, w2_codes, w2_scales, streams, input
         return
     xq, xc, xr = _prepare(x, tok)                                  # [A, H] int8 (+ [A, H/8] x2): A = assignments (<= T K)
     h = np.empty((len(tok), 2 * inter), np.float32)                # [A, 2I]
-    _matvecs(w13_codes, w13_scales, experts, off, xq, xc, xr, h, streams, inputs)
+    _passes(w13_codes, w13_scales, experts, off, xq, xc, xr, h, streams, inputs, l1_inputs)
     a = _swiglu(h, inter)                                          # [A, I]
     aq, ac, ar = _prepare(a, np.arange(len(tok)))
     d = np.empty((len(tok), x.shape[1]), np.float32)               # [A, H]
-    _matvecs(w2_codes, w2_scales, experts, off, aq, ac, ar, d, streams, inputs)
+    _passes(w2_codes, w2_scales, experts, off, aq, ac, ar, d, streams, inputs, l1_inputs)
     _combine(d, tok, kk, wts, y)
 
 

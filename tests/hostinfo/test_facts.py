@@ -27,6 +27,20 @@ def test_sysfs_domains_are_distinct_and_of_the_last_level():
     assert all(d > 0 for d in doms) and sum(doms) >= max(doms)
 
 
+def test_l1d_is_cpu0s_level_1_data_cache_or_its_override(monkeypatch):
+    monkeypatch.delenv("DSV41_L1D_KIB", raising=False)
+    real = machine._l1d_sysfs()
+    assert hostinfo.l1d_bytes() == (real or 32 << 10) and hostinfo.l1d_bytes() % 1024 == 0
+    if real is not None:
+        assert 8 << 10 <= real <= 1 << 20                     # a level-1 data cache, not L2 or an instruction cache
+    monkeypatch.setenv("DSV41_L1D_KIB", "48")
+    assert hostinfo.l1d_bytes() == 48 << 10 and hostinfo.facts().l1d_kib == 48
+    assert "DSV41_L1D_KIB=48" in hostinfo.overrides()
+    monkeypatch.setenv("DSV41_L1D_KIB", "0")
+    with pytest.raises(HostFactError, match="DSV41_L1D_KIB"):
+        hostinfo.l1d_bytes()
+
+
 def test_overrides_are_validated_and_named(monkeypatch):
     monkeypatch.setenv("DSV41_CORES", "zero")
     with pytest.raises(HostFactError, match="DSV41_CORES"):

@@ -201,13 +201,16 @@ def test_batch_invariant_a_token_alone_or_in_a_verify_batch():
             assert np.array_equal(batch[t], expert_ffn(x[t:t + 1], ids[t:t + 1], w[t:t + 1], bank)[0]), (T, t)
 
 
-def test_a_wide_slot_takes_its_inputs_block_by_block_over_the_rows_with_the_same_bits():
-    """A slot of more inputs than one block passes a block over the chunk's rows, then the next
-    (`_matvecs`: the block's inputs stay in L1); with rows of K > L1_INPUT_BYTES / 8 an 8-input decode
-    takes blocks of 4 there. 13 tokens on the same two experts: every layout and inputs choice gives
-    the reference's values and the bits each token gets alone."""
+@pytest.mark.parametrize("l1d_kib", [32, 48])
+def test_a_wide_slot_takes_its_inputs_block_by_block_over_the_rows_with_the_same_bits(monkeypatch, l1d_kib):
+    """Where a slot's inputs pass 7/8 of the L1D (the host fact, overridden here), a block of them passes
+    over the chunk's rows, then the next (`_matvecs_wide`), 8 to a row decode where 8 fit, else 4; the
+    w2 pass's short rows (K = 64) fit and take `_matvecs`. 13 tokens on the same two experts: every
+    layout and inputs choice gives the reference's values and the bits each token gets alone."""
+    monkeypatch.setenv("DSV41_L1D_KIB", str(l1d_kib))
     H, T = 4096, 13
-    assert 8 * H > cpu_moe.L1_INPUT_BYTES >= 8 * 64          # w13's inputs (K = H) go 4 at a time, w2's (K = I = 64) 8
+    assert cpu_moe.l1_input_bytes() == l1d_kib * 896 and T * H > cpu_moe.l1_input_bytes() >= T * 64
+    assert (8 * H > cpu_moe.l1_input_bytes()) == (l1d_kib == 32)  # w13's inputs 4 at a time at 32 KiB, 8 at 48
     bank, x, _, w = _case(21, 3, H, 64, T, 2)
     ids = np.tile(np.array([1, 2]), (T, 1))
     ys = [expert_ffn(x, ids, w, bank, streams=s, inputs=n) for s, n in ((1, 8), (1, 4), (4, 4))]
