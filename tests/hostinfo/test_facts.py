@@ -41,6 +41,24 @@ def test_l1d_is_cpu0s_level_1_data_cache_or_its_override(monkeypatch):
         hostinfo.l1d_bytes()
 
 
+def test_l1d_reads_the_level_1_data_cache_and_falls_back_to_32_kib(monkeypatch, tmp_path):
+    """Not the instruction cache or L2 beside it in sysfs; no cache topology (a container): 32 KiB."""
+    monkeypatch.delenv("DSV41_L1D_KIB", raising=False)
+    for i, (level, kind, size) in enumerate([(1, "Instruction", "32K"), (1, "Data", "48K"), (2, "Unified", "2048K")]):
+        d = tmp_path / "cpu0" / "cache" / f"index{i}"
+        d.mkdir(parents=True)
+        (d / "level").write_text(f"{level}\n"), (d / "type").write_text(f"{kind}\n"), (d / "size").write_text(f"{size}\n")
+    monkeypatch.setattr(machine, "_SYS_CPU", tmp_path)
+    machine._l1d_sysfs.cache_clear()
+    try:
+        assert hostinfo.l1d_bytes() == 48 << 10
+        machine._l1d_sysfs.cache_clear()
+        monkeypatch.setattr(machine, "_SYS_CPU", tmp_path / "absent")
+        assert hostinfo.l1d_bytes() == 32 << 10
+    finally:
+        machine._l1d_sysfs.cache_clear()
+
+
 def test_overrides_are_validated_and_named(monkeypatch):
     monkeypatch.setenv("DSV41_CORES", "zero")
     with pytest.raises(HostFactError, match="DSV41_CORES"):

@@ -137,6 +137,7 @@ def test_bad_inputs_named():
 
 
 ISA_SCRIPT = """
+import os
 import numpy as np
 from kernels.cpu_moe import ISA, Fp4Bank, expert_ffn, expert_ffn_reference, dequant_experts
 from kernels.formats import dequantize_mxfp4
@@ -151,6 +152,12 @@ for H, I in ((160, 96), (1024, 576)):           # every row in tail steps; super
     y = expert_ffn(x, ids, w, bank); r = expert_ffn_reference(x, ids, w, bank).numpy()
     assert np.array_equal(y, expert_ffn(x, ids, w, bank, streams=1)), "row layouts differ"
     errs.append(np.linalg.norm(y - r) / np.linalg.norm(r))
+    xs, ids7, w7 = rng.standard_normal((7, H)).astype(np.float32), np.ones((7, 1), np.int64), np.ones((7, 1), np.float32)
+    fits = [expert_ffn(xs, ids7, w7, bank, streams=1, inputs=n) for n in (4, 8)]
+    os.environ["DSV41_L1D_KIB"] = "1"           # 7 inputs pass 7/8 KiB: _matvecs_wide on this path, the same bits
+    assert all(np.array_equal(fits[0], expert_ffn(xs, ids7, w7, bank, streams=s, inputs=n)) for s, n in ((1, 4), (1, 8), (4, 4))), "wide slot"
+    del os.environ["DSV41_L1D_KIB"]
+    assert np.array_equal(fits[0], fits[1])
 err = max(errs)
 d = dequant_experts(bank.w2_codes, bank.w2_scales, [4])[0]
 dr = dequantize_mxfp4(torch.from_numpy(bank.w2_codes[4]), torch.from_numpy(bank.w2_scales[4])).numpy()
