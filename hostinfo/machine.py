@@ -1,6 +1,6 @@
 """Host facts: the one place dsv41 reads anything about the machine it runs on.
 
-ISA, last-level cache (every distinct domain, not only cpu0's), L1 data cache, usable cores, RAM, NUMA nodes, O_DIRECT
+ISA, AMX tiles, last-level cache (every distinct domain, not only cpu0's), L1 data cache, usable cores, RAM, NUMA nodes, O_DIRECT
 support of a filesystem, CUDA. Nothing else in the project reads /proc, /sys, cpuid or psutil for these.
 Each fact has an environment override, so the tests run the whole product under host shapes other
 than the one they run on (docs/host-overrides.md):
@@ -9,6 +9,7 @@ than the one they run on (docs/host-overrides.md):
   DSV41_LLC_MIB      MiB per last-level cache domain
   DSV41_LLC_DOMAINS  how many distinct last-level cache domains (default 1 with DSV41_LLC_MIB)
   DSV41_L1D_KIB      KiB of one core's L1 data cache
+  DSV41_CPU_AMX      0: the kernels leave AMX tiles unused on a CPU that has them
   DSV41_CORES        usable cores (never above what the process may really run on)
   DSV41_RAM_GIB      total RAM; available RAM is capped to it
   DSV41_NUMA_NODES   NUMA nodes
@@ -112,6 +113,39 @@ def isa() -> str:
     if ISAS.index(forced) < ISAS.index(real):
         raise HostFactError(f"$DSV41_CPU_ISA={forced!r} is wider than this CPU's {real!r}")
     return forced
+
+
+def amx_tiles() -> bool:
+    """Whether the CPU kernels may use AMX int8 tiles (kernels/fp4_amx.py): the CPU has them (amx-tile and
+    amx-int8), the SIMD path is the widest (a narrowed $DSV41_CPU_ISA leaves them out too), Linux grants
+    this process the tile state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, asked once: kernels from 5.16) and
+    $DSV41_CPU_AMX is not 0. $DSV41_CPU_AMX=1 on a host without them is an error."""
+    want = os.environ.get("DSV41_CPU_AMX")
+    if want not in (None, "", "0", "1"):
+        raise HostFactError(f"$DSV41_CPU_AMX={want!r} must be 0 or 1")
+    if want == "0":
+        return False
+    ok = isa() == "avx512vnni" and _amx_granted()
+    if want == "1" and not ok:
+        raise HostFactError("$DSV41_CPU_AMX=1, but this host's kernels cannot use AMX tiles "
+                            f"(ISA path {isa()!r}; CPU tiles and the kernel's permission: {_amx_granted()})")
+    return ok
+
+
+@functools.lru_cache(maxsize=1)
+def _amx_granted() -> bool:
+    if arch() != "x86_64" or platform.system() != "Linux":
+        return False
+    import llvmlite.binding as llvm
+    feats = llvm.get_host_cpu_features()
+    if not (feats.get("amx-tile") and feats.get("amx-int8")):
+        return False
+    import ctypes
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(158, 0x1023, 18) == 0      # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    except (OSError, AttributeError):
+        return False
 
 
 # ------------------------------------------------------------------------------------- caches
@@ -299,6 +333,7 @@ class HostFacts:
     usable_cores: int
     llc_domains_mib: tuple
     l1d_kib: int
+    amx: bool
     ram_gib: float
     numa_nodes: int
     cuda: bool
@@ -308,7 +343,7 @@ class HostFacts:
         return asdict(self)
 
 
-OVERRIDES = ("DSV41_CPU_ISA", "DSV41_LLC_MIB", "DSV41_LLC_DOMAINS", "DSV41_L1D_KIB", "DSV41_CORES", "DSV41_RAM_GIB",
+OVERRIDES = ("DSV41_CPU_ISA", "DSV41_CPU_AMX", "DSV41_LLC_MIB", "DSV41_LLC_DOMAINS", "DSV41_L1D_KIB", "DSV41_CORES", "DSV41_RAM_GIB",
              "DSV41_NUMA_NODES", "DSV41_O_DIRECT", "DSV41_CUDA", "DSV41_PROBE_MIB")
 
 
@@ -319,5 +354,5 @@ def overrides() -> tuple:
 
 def facts() -> HostFacts:
     return HostFacts(arch(), cpu_model(), isa(), tuple(cpu_flags()), usable_cores(),
-                     tuple(round(b / 2**20, 2) for b in llc_domains()), l1d_bytes() >> 10, round(ram_total_bytes() / 2**30, 1),
+                     tuple(round(b / 2**20, 2) for b in llc_domains()), l1d_bytes() >> 10, amx_tiles(), round(ram_total_bytes() / 2**30, 1),
                      numa_nodes(), cuda_available(), overrides())

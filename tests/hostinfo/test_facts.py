@@ -41,6 +41,30 @@ def test_l1d_is_cpu0s_level_1_data_cache_or_its_override(monkeypatch):
         hostinfo.l1d_bytes()
 
 
+def test_amx_tiles_need_the_cpu_the_widest_path_and_the_os_and_can_be_turned_off(monkeypatch):
+    monkeypatch.delenv("DSV41_CPU_AMX", raising=False)
+    monkeypatch.delenv("DSV41_CPU_ISA", raising=False)
+    if machine._amx_granted():                                  # granted only where the CPU lists the tiles
+        assert {"amx_tile", "amx_int8"} <= set(hostinfo.cpu_flags())
+    assert hostinfo.amx_tiles() == (machine._amx_granted() and hostinfo.isa() == "avx512vnni")
+    assert hostinfo.facts().amx == hostinfo.amx_tiles()
+    monkeypatch.setattr(machine, "_amx_granted", lambda: True)
+    assert hostinfo.amx_tiles() == (hostinfo.isa() == "avx512vnni")
+    monkeypatch.setenv("DSV41_CPU_ISA", "scalar")                  # a narrowed path leaves the tiles out too
+    assert hostinfo.amx_tiles() is False
+    monkeypatch.delenv("DSV41_CPU_ISA")
+    monkeypatch.setenv("DSV41_CPU_AMX", "0")
+    assert hostinfo.amx_tiles() is False and hostinfo.facts().amx is False
+    assert "DSV41_CPU_AMX=0" in hostinfo.overrides()
+    monkeypatch.setenv("DSV41_CPU_AMX", "yes")
+    with pytest.raises(HostFactError, match="DSV41_CPU_AMX"):
+        hostinfo.amx_tiles()
+    monkeypatch.setattr(machine, "_amx_granted", lambda: False)
+    monkeypatch.setenv("DSV41_CPU_AMX", "1")
+    with pytest.raises(HostFactError, match="DSV41_CPU_AMX=1"):
+        hostinfo.amx_tiles()
+
+
 def test_l1d_reads_the_level_1_data_cache_and_falls_back_to_32_kib(monkeypatch, tmp_path):
     """Not the instruction cache or L2 beside it in sysfs; no cache topology (a container): 32 KiB."""
     monkeypatch.delenv("DSV41_L1D_KIB", raising=False)
