@@ -3,9 +3,9 @@
   python -m kernels.lab.fp4_amx_tiles [--widths 1,16,32,64,128] [--rounds 9]
 
 Needs an AMX host (hostinfo `amx_tiles`: the CPU's amx-tile and amx-int8, and Linux's grant of the tile
-state). Not in the package: on the AMX Xeon VM it beat the GEMV only from ~32 inputs per expert, by
-1.15-1.3x on one pass, and by nothing measurable in a whole FFN call (kernels/lab/README.md, "AMX
-tiles"). The route is exact, so a faster one can replace the GEMV for wide slots without making any
+state). Not in the package: on the AMX Xeon VM it beat the GEMV in some runs from 64 inputs per
+expert (1.6-2.0x on one pass) and lost in others (0.73-0.92); its first version gained nothing in a
+whole FFN call (kernels/lab/README.md, "AMX tiles"). The route is exact, so a faster one can replace the GEMV for wide slots without making any
 plan knob inexact.
 
 The GEMV kernel spends per input and superblock 8 `vpdpbusd`, 8 input loads and ~6 more operations
@@ -31,10 +31,11 @@ K). B tile (weights, built per block in registers): 8 rows of 64 bytes, row k4 h
 its code bytes 16g + 4 (k4 % 4) .. + 3: the 16 rows' 4-byte words transposed (8 two-source permutes),
 then one byte shuffle per nibble half. C tiles are stored per input row, all blocks side by side.
 
-What bounds it (one 4096 x 4096 pass, 2 threads): building the B tiles and their products ~1.1 ms
-whatever the width, ~0.46 ms more per 16 inputs (~5x the `tdpbssd` rate: every product moves 512 B of
-A from L2 and stores a 1 KiB C tile, because each block's sum must come out on its own), and the float
-chain ~19 us per input (the floor of any exact route: the GEMV's is ~60-100 us per input).
+What bounds it (one 4096 x 4096 pass, 2 threads, components alone): the B tiles ~0.27 ms a pass
+(built once per row tile: an AMX load of bytes just stored waits for them to drain), ~0.4 ms per 16
+inputs of products (~4x `tdpbssd`'s rate: each product moves 512 B of A and 512 B of B and stores a
+1 KiB C tile, because each block's sum must come out on its own), and the float chain ~19 us per
+input (the floor of any exact route: the GEMV's whole cost is ~50-100 us per input).
 """
 from __future__ import annotations
 
@@ -56,6 +57,9 @@ SUPER_BLOCKS = 16                            # blocks per AVX-512 superblock (25
 ORDER = [(L % 4) * 4 + L // 4 for L in range(SUPER_BLOCKS)]   # GEMV lane L <-> block ORDER[L] of a superblock
 SIGNED = [int(2 * v) & 0xFF for v in E2M1]   # nibble -> 2 E2M1 as a signed byte
 C_BYTES = TILE * TILE * 4                    # one C tile: 16 inputs x 16 rows int32
+A_PAD = 64                                   # bytes after each input's row in `tile_inputs`: 16 rows a power of two
+                                             # apart would share one L1 set
+SKIP: set = set()                            # lab only, read when a caller compiles: "products" (none run)
 
 
 def tile_config() -> np.ndarray:
@@ -109,30 +113,42 @@ def _b_tile(builder, cbase, row0, c_stride, g, bbuf):
 
 
 @intrinsic
-def tile_dots(typingctx, NI_t, cfg, codes, c_off, c_stride, aq, a_off, a_stride, cbuf, nblk):
-    """For blocks g < nblk (even) of 16 rows (codes at c_off + n c_stride) and NI (1-2) tiles of 16 inputs
-    (tile i's A rows at a_off + (16 i + m) a_stride): cbuf[(16 i + m) 16 (nblk + 1) + 16 g + n] = the block's
-    int32 sum for input 16 i + m and row n. Blocks alternate two sets of tiles, so one block's B tile
-    loads while the other's products run (tile registers are not renamed)."""
+def tile_b(typingctx, codes, c_off, c_stride, bbuf, nblk):
+    """bbuf[512 g ..] = the B tile of block g < nblk of 16 rows (codes at c_off + n c_stride). Built for a
+    whole row tile before any product: an AMX load of bytes just stored waits for them to drain, which
+    made each block's products wait for its own B tile (~2x slower, kernels/lab/README.md)."""
+    sig = types.void(codes, c_off, c_stride, bbuf, nblk)
+
+    def codegen(context, builder, signature, args):
+        _, c_off_v, c_stride_v, _, nblk_v = args
+        cbase, bbase = _data_ptrs(context, builder, signature.args, args, (0, 3))
+        bbase = builder.bitcast(bbase, i8.as_pointer())
+        with cgutils.for_range(builder, nblk_v) as loop:
+            g = loop.index
+            _b_tile(builder, cbase, c_off_v, c_stride_v, g, builder.gep(bbase, [builder.mul(g, ir.Constant(i64, 512))]))
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def tile_products(typingctx, NI_t, cfg, bbuf, aq, a_off, a_stride, cbuf, nblk):
+    """For blocks g < nblk (even; B tiles in bbuf from `tile_b`) and NI (1-2) tiles of 16 inputs (tile i's
+    A rows at a_off + (16 i + m) a_stride): cbuf[(16 i + m) 16 (nblk + 1) + 16 g + n] = the block's int32
+    sum for input 16 i + m and row n. Blocks alternate two sets of tiles (tile registers are not renamed)."""
     NI = _literal(NI_t)
     if NI is None:
         return None
     if not 1 <= NI <= 2:
-        raise TypeError("tile_dots: NI must be 1 or 2")
-    sig = types.void(NI_t, cfg, codes, c_off, c_stride, aq, a_off, a_stride, cbuf, nblk)
+        raise TypeError("tile_products: NI must be 1 or 2")
+    sig = types.void(NI_t, cfg, bbuf, aq, a_off, a_stride, cbuf, nblk)
 
     def codegen(context, builder, signature, args):
-        _, _, _, c_off_v, c_stride_v, _, a_off_v, a_stride_v, _, nblk_v = args
-        cfgp, cbase, qbase, obase = _data_ptrs(context, builder, signature.args, args, (1, 2, 5, 8))
-        obase = builder.bitcast(obase, i8.as_pointer())
+        _, _, _, _, a_off_v, a_stride_v, _, nblk_v = args
+        cfgp, bbase, qbase, obase = _data_ptrs(context, builder, signature.args, args, (1, 2, 3, 6))
+        bbase, obase = builder.bitcast(bbase, i8.as_pointer()), builder.bitcast(obase, i8.as_pointer())
         ldcfg, load, store, zero, dot = _tile_fns(builder)
         c64 = lambda v: ir.Constant(i64, v)  # noqa: E731
         t8 = lambda v: ir.Constant(i8, v)    # noqa: E731
-        bptrs = []
-        for _ in range(2):
-            bbuf = cgutils.alloca_once(builder, ir.ArrayType(i8, 512))
-            bbuf.align = 64
-            bptrs.append(builder.bitcast(bbuf, i8.as_pointer()))
         builder.call(ldcfg, [cfgp])
         row_bytes = builder.mul(builder.add(nblk_v, c64(1)), c64(64))   # C rows: input m's blocks side by side (+ 64 bytes:
                                                                         # rows a power of two apart share L1 sets)
@@ -140,9 +156,8 @@ def tile_dots(typingctx, NI_t, cfg, codes, c_off, c_stride, aq, a_off, a_stride,
             for parity in range(2):                                     # B, A and C tiles alternate by block parity
                 g = builder.add(builder.mul(loop.index, c64(2)), c64(parity))
                 tb, ta = 2 + parity, parity
-                _b_tile(builder, cbase, c_off_v, c_stride_v, g, bptrs[parity])
-                builder.call(load, [t8(tb), bptrs[parity], c64(64)])
-                for i in range(NI):
+                builder.call(load, [t8(tb), builder.gep(bbase, [builder.mul(g, c64(512))]), c64(64)])
+                for i in range(NI if "products" not in SKIP else 0):
                     tc = 4 + 2 * parity + i
                     at = builder.add(builder.add(a_off_v, builder.mul(a_stride_v, c64(TILE * i))), builder.mul(g, c64(32)))
                     builder.call(zero, [t8(tc)])
@@ -204,10 +219,10 @@ def tile_inputs(xq):
     after, so the last 16-input tile never reads past the array."""
     A, K = xq.shape
     h, nblk = K // 2, K // 32
-    aq = np.zeros((A + TILE - 1, K), np.int8)
+    aq = np.zeros((A + TILE - 1, K + A_PAD), np.int8)
     src, dst = xq.reshape(-1).view(np.int32), aq.reshape(-1).view(np.int32)
     for a in prange(A):
-        s0, d0 = a * K // 4, a * K // 4
+        s0, d0 = a * K // 4, a * (K + A_PAD) // 4
         for g in range(nblk):
             sb, gl = g // SUPER_BLOCKS, g % SUPER_BLOCKS
             base = (sb * 256 + 16 * (gl % 4) + 4 * (gl // 4)) // 4         # word of byte o = 0 of block g
@@ -234,32 +249,34 @@ def tile_matvecs(codes, scales, experts, off, aq, xr, out, cfg, threads):
     `_matvecs` gives them (the same bits), on AMX tiles: a work item is 16 rows of one slot's expert;
     its B tiles are built once per 4 tiles of 16 inputs. aq from `tile_inputs`, xr as `_prepare` gives;
     threads: numba's thread count (each thread takes every threads-th item, with scratch of its own)."""
-    S, N, K = len(experts), out.shape[1], aq.shape[1]
+    S, N, K = len(experts), out.shape[1], aq.shape[1] - A_PAD
     nblk = K // 32
     cf, sf, qf, rf, of = codes.reshape(-1), scales.reshape(-1), aq.reshape(-1), xr.reshape(-1), out.reshape(-1)
     per = N // TILE
     cbufs = np.empty((threads, GROUP * (nblk + 1) * TILE * TILE), np.int32)   # per thread: C tiles of 2 input tiles
+    bbufs = np.empty((threads, nblk * 512), np.int8)                          # and the row tile's B tiles
     wsvs = np.empty((threads, nblk * TILE), np.float32)
     for me in prange(threads):                                            # static: item me, me + threads, ...
-        cbuf, wsv = cbufs[me], wsvs[me]
+        cbuf, bbuf, wsv = cbufs[me], bbufs[me], wsvs[me]
         for item in range(me, S * per, threads):
-            _item(cf, sf, qf, rf, of, cfg, cbuf, wsv, experts[item // per] * N + (item % per) * TILE, (item % per) * TILE,
+            _item(cf, sf, qf, rf, of, cfg, cbuf, bbuf, wsv, experts[item // per] * N + (item % per) * TILE, (item % per) * TILE,
                   off[item // per], off[item // per + 1], N, K)
 
 
 @njit(nogil=True, cache=False)
-def _item(cf, sf, qf, rf, of, cfg, cbuf, wsv, row, r0, a0, a1, N, K):
+def _item(cf, sf, qf, rf, of, cfg, cbuf, bbuf, wsv, row, r0, a0, a1, N, K):
     """16 rows (the expert's rows from `row`, output columns r0..r0+15) against inputs a0..a1-1."""
     c_row, s_row, nblk = K // 2, K // 32, K // 32
     n_super = nblk // SUPER_BLOCKS
     _scales(sf, row * s_row, s_row, nblk, wsv)
+    tile_b(cf, row * c_row, c_row, bbuf, nblk)
     for i0 in range(a0, a1, GROUP * TILE):
         n_in = min(GROUP * TILE, a1 - i0)
         ni = (n_in + TILE - 1) // TILE
         if ni == 2:
-            tile_dots(2, cfg, cf, row * c_row, c_row, qf, i0 * K, K, cbuf, nblk)
+            tile_products(2, cfg, bbuf, qf, i0 * (K + A_PAD), K + A_PAD, cbuf, nblk)
         else:
-            tile_dots(1, cfg, cf, row * c_row, c_row, qf, i0 * K, K, cbuf, nblk)
+            tile_products(1, cfg, bbuf, qf, i0 * (K + A_PAD), K + A_PAD, cbuf, nblk)
         for m in range(n_in):
             a = i0 + m
             tile_sums(cbuf, m * (nblk + 1) * TILE, wsv, rf, a * (K // 8), n_super, of, a * N + r0)
