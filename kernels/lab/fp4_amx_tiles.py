@@ -49,6 +49,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 
+from hostinfo import amx_tiles
 from kernels.fp4_i8 import _fn, _vec, f32, i8, i32, i64
 from kernels.fp4_simd import E2M1, _data_ptrs, _literal
 
@@ -59,6 +60,7 @@ SIGNED = [int(2 * v) & 0xFF for v in E2M1]   # nibble -> 2 E2M1 as a signed byte
 C_BYTES = TILE * TILE * 4                    # one C tile: 16 inputs x 16 rows int32
 A_PAD = 64                                   # bytes after each input's row in `tile_inputs`: 16 rows a power of two
                                              # apart would share one L1 set
+GRANTED = amx_tiles()                        # asks Linux for the tile state: without it the first tile op kills the process
 SKIP: set = set()                            # lab only, read when a caller compiles: "products" (none run)
 
 
@@ -108,8 +110,8 @@ def _b_tile(builder, cbase, row0, c_stride, g, bbuf):
         c = b.bitcast(v[d], vb)
         lo = b.call(shuf, [lut, b.and_(c, m15)])
         hi = b.call(shuf, [lut, b.and_(b.lshr(c, four), m15)])
-        b.store(lo, b.bitcast(b.gep(bbuf, [c64(64 * d)]), vb.as_pointer()), align=64)
-        b.store(hi, b.bitcast(b.gep(bbuf, [c64(64 * (4 + d))]), vb.as_pointer()), align=64)
+        b.store(lo, b.bitcast(b.gep(bbuf, [c64(64 * d)]), vb.as_pointer()), align=1)
+        b.store(hi, b.bitcast(b.gep(bbuf, [c64(64 * (4 + d))]), vb.as_pointer()), align=1)
 
 
 @intrinsic
