@@ -9,7 +9,7 @@ than the one they run on (docs/host-overrides.md):
   DSV41_LLC_MIB      MiB per last-level cache domain
   DSV41_LLC_DOMAINS  how many distinct last-level cache domains (default 1 with DSV41_LLC_MIB)
   DSV41_L1D_KIB      KiB of one core's L1 data cache
-  DSV41_CPU_AMX      0: the kernels leave AMX tiles unused on a CPU that has them
+  DSV41_CPU_AMX      0: AMX tiles read as absent on a CPU that has them; 1: required (an error without them)
   DSV41_CORES        usable cores (never above what the process may really run on)
   DSV41_RAM_GIB      total RAM; available RAM is capped to it
   DSV41_NUMA_NODES   NUMA nodes
@@ -116,7 +116,8 @@ def isa() -> str:
 
 
 def amx_tiles() -> bool:
-    """Whether the CPU kernels may use AMX int8 tiles (kernels/fp4_amx.py): the CPU has them (amx-tile and
+    """Whether the CPU kernels may use AMX int8 tiles (only the lab's exact tile route does so far:
+    kernels/lab/fp4_amx_tiles.py): the CPU has them (amx-tile and
     amx-int8), the SIMD path is the widest (a narrowed $DSV41_CPU_ISA leaves them out too), Linux grants
     this process the tile state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, asked once: kernels from 5.16) and
     $DSV41_CPU_AMX is not 0. $DSV41_CPU_AMX=1 on a host without them is an error."""
