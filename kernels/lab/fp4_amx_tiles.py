@@ -5,8 +5,9 @@
 Needs an AMX host (hostinfo `amx_tiles`: the CPU's amx-tile and amx-int8, and Linux's grant of the tile
 state). Not in the package: on the AMX Xeon VM it beat the GEMV in some runs from 64 inputs per
 expert (1.6-2.0x on one pass) and lost in others (0.73-0.92); its first version gained nothing in a
-whole FFN call (kernels/lab/README.md, "AMX tiles"). The route is exact, so a faster one can replace the GEMV for wide slots without making any
-plan knob inexact.
+whole FFN call (kernels/lab/README.md, "AMX tiles"). The route is exact, so a faster one can replace
+the GEMV for wide slots without making any plan knob inexact. Rows must be whole superblocks (the
+pass refuses others).
 
 The GEMV kernel spends per input and superblock 8 `vpdpbusd`, 8 input loads and ~6 more operations
 on the integers, then one convert, one multiply and one FMA on the floats. A call with many inputs per
@@ -26,7 +27,7 @@ code bytes) are not handled.
 
 Layouts. A tile (inputs, `tile_inputs`): per input K bytes, per block g 32 bytes: q of weights
 32g + 2o (o < 16), then of 32g + 2o + 1, so an A tile row is one block (16 rows of 32 bytes, stride
-K). B tile (weights, built per block in registers): 8 rows of 64 bytes, row k4 holding for each of the
+K). B tile (weights, built per block from the codes, a row tile's all before its products): 8 rows of 64 bytes, row k4 holding for each of the
 16 weight rows n the 4 signed codes 2 E2M1 of the low nibbles (k4 < 4) or high nibbles (k4 >= 4) of
 its code bytes 16g + 4 (k4 % 4) .. + 3: the 16 rows' 4-byte words transposed (8 two-source permutes),
 then one byte shuffle per nibble half. C tiles are stored per input row, all blocks side by side.
@@ -48,7 +49,6 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-
 from hostinfo import amx_tiles
 from kernels.fp4_i8 import _fn, _vec, f32, i8, i32, i64
 from kernels.fp4_simd import E2M1, _data_ptrs, _literal
@@ -57,7 +57,6 @@ TILE = 16                                    # rows (and inputs) per tile
 SUPER_BLOCKS = 16                            # blocks per AVX-512 superblock (256 code bytes)
 ORDER = [(L % 4) * 4 + L // 4 for L in range(SUPER_BLOCKS)]   # GEMV lane L <-> block ORDER[L] of a superblock
 SIGNED = [int(2 * v) & 0xFF for v in E2M1]   # nibble -> 2 E2M1 as a signed byte
-C_BYTES = TILE * TILE * 4                    # one C tile: 16 inputs x 16 rows int32
 A_PAD = 64                                   # bytes after each input's row in `tile_inputs`: 16 rows a power of two
                                              # apart would share one L1 set
 GRANTED = amx_tiles()                        # asks Linux for the tile state: without it the first tile op kills the process
@@ -211,15 +210,17 @@ def tile_sums(typingctx, cbuf, c_off, wsv, xr, x_off, n_super, out, o_off):
 
 
 # ----------------------------------------------------------------------------------------- the pass
-GROUP = 2                                                     # input tiles per B tile built (C tiles tmm4-5 / 6-7)
+GROUP = 2                                                     # input tiles per `tile_products` call (C tiles tmm4-5 / 6-7)
 
 
 @njit(parallel=True, nogil=True, cache=False)
 def tile_inputs(xq):
     """xq [A, K] in the GEMV's layout (kernels/fp4_i8.py `act_slot`, AVX-512 superblocks: every block in
-    one) -> aq [A + 15, K]: per block its 16 even q then its 16 odd q (`A` tile rows); 15 zero rows
+    one) -> aq [A + 15, K + A_PAD]: per block its 16 even q then its 16 odd q (`A` tile rows); 15 zero rows
     after, so the last 16-input tile never reads past the array."""
     A, K = xq.shape
+    if K % (32 * SUPER_BLOCKS):
+        raise ValueError("tile_inputs: rows must be whole superblocks (K a multiple of 512)")
     h, nblk = K // 2, K // 32
     aq = np.zeros((A + TILE - 1, K + A_PAD), np.int8)
     src, dst = xq.reshape(-1).view(np.int32), aq.reshape(-1).view(np.int32)
@@ -249,9 +250,12 @@ def _scales(sf, s_at, s_row, nblk, wsv):
 def tile_matvecs(codes, scales, experts, off, aq, xr, out, cfg, threads):
     """out[a, r] = W_{experts[s]}[r] . x(a) for the assignments a of slot s, as kernels/cpu_moe.py
     `_matvecs` gives them (the same bits), on AMX tiles: a work item is 16 rows of one slot's expert;
-    its B tiles are built once per 4 tiles of 16 inputs. aq from `tile_inputs`, xr as `_prepare` gives;
-    threads: numba's thread count (each thread takes every threads-th item, with scratch of its own)."""
+    its B tiles are built once, then met by its slot's inputs 32 at a time. aq from `tile_inputs`, xr as
+    `_prepare` gives; threads: numba's thread count (each thread takes every threads-th item, with scratch
+    of its own). Rows must be whole superblocks (K a multiple of 512): the GEMV adds other steps there."""
     S, N, K = len(experts), out.shape[1], aq.shape[1] - A_PAD
+    if K % (32 * SUPER_BLOCKS) or N % TILE:
+        raise ValueError("tile_matvecs: rows must be whole superblocks (K a multiple of 512) and N a multiple of 16")
     nblk = K // 32
     cf, sf, qf, rf, of = codes.reshape(-1), scales.reshape(-1), aq.reshape(-1), xr.reshape(-1), out.reshape(-1)
     per = N // TILE
@@ -308,7 +312,6 @@ def _pass_pair(bank, width, seed=0):
 
 
 def main(argv=None):
-    from hostinfo import amx_tiles
     from kernels import cpu_moe as cm
     from kernels.threads import set_threads
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -316,7 +319,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
-    if not amx_tiles():
+    if not GRANTED:
         raise SystemExit("fp4_amx_tiles: this host's kernels cannot use AMX tiles (hostinfo.amx_tiles)")
     set_threads(args.threads)
     bank = cm.Fp4Bank.random(1, 4096, 2048, seed=3)                 # one expert, 4096 x 4096 gate/up: in the LLC

@@ -26,3 +26,16 @@ def test_tiles_give_the_gemvs_bits_for_every_slot_width(widths):
         got = np.full_like(want, np.nan)
         fa.tile_matvecs(bank.w13_codes, bank.w13_scales, experts, off, fa.tile_inputs(xq), xr, got, fa.tile_config(), 2)
         assert np.isfinite(got).all() and np.array_equal(got.view(np.int32), want.view(np.int32))
+
+
+def test_tiles_refuse_rows_that_are_not_whole_superblocks():
+    from kernels import cpu_moe as cm
+    from kernels.lab import fp4_amx_tiles as fa
+    bank = cm.Fp4Bank.random(1, 288, 64, seed=0)                              # 144-byte rows: the GEMV's steps, not tiles
+    xq, xc, xr = cm._prepare(np.ones((2, 288), np.float32), np.arange(2))
+    with pytest.raises(ValueError, match="whole superblocks"):
+        fa.tile_inputs(xq)
+    aq = np.zeros((17, 288 + fa.A_PAD), np.int8)                              # the pass refuses them too
+    with pytest.raises(ValueError, match="whole superblocks"):
+        fa.tile_matvecs(bank.w13_codes, bank.w13_scales, np.zeros(1, np.int64), np.array([0, 2], np.int64), aq,
+                        xr, np.empty((2, 128), np.float32), fa.tile_config(), 2)
