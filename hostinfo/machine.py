@@ -5,7 +5,7 @@ support of a filesystem, CUDA. Nothing else in the project reads /proc, /sys, cp
 Each fact has an environment override, so the tests run the whole product under host shapes other
 than the one they run on (docs/host-overrides.md):
 
-  DSV41_CPU_ISA      avx512vnni | avx512 | avx2 | scalar   the kernels' SIMD path (narrower than the CPU's only)
+  DSV41_CPU_ISA      avx512vbmi | avx512vnni | avx512 | avx2 | scalar   the kernels' SIMD path (narrower than the CPU's only)
   DSV41_LLC_MIB      MiB per last-level cache domain
   DSV41_LLC_DOMAINS  how many distinct last-level cache domains (default 1 with DSV41_LLC_MIB)
   DSV41_L1D_KIB      KiB of one core's L1 data cache
@@ -28,7 +28,8 @@ from pathlib import Path
 
 import psutil
 
-ISAS = ("avx512vnni", "avx512", "avx2", "scalar")
+ISAS = ("avx512vbmi", "avx512vnni", "avx512", "avx2", "scalar")      # widest first
+VNNI_PATHS = ISAS[:2]
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
 _SYS_CPU = Path("/sys/devices/system/cpu")
 
@@ -94,16 +95,19 @@ def native_isa() -> str:
     import llvmlite.binding as llvm
     feats = llvm.get_host_cpu_features()
     if feats.get("avx512f") and feats.get("avx512bw"):
-        return "avx512vnni" if feats.get("avx512vnni") else "avx512"
+        if feats.get("avx512vnni"):
+            return "avx512vbmi" if feats.get("avx512vbmi") else "avx512vnni"
+        return "avx512"
     if feats.get("avx2") and feats.get("fma"):
         return "avx2"
     return "scalar"
 
 
 def isa() -> str:
-    """The widest SIMD path the CPU kernels can take here: avx512vnni (AVX-512BW with VNNI's integer dot
-    products) | avx512 | avx2 | scalar (any non-x86 host: scalar). DSV41_CPU_ISA narrows it; asking for
-    a wider one than the CPU has is an error."""
+    """The widest SIMD path the CPU kernels can take here: avx512vbmi (avx512vnni's, the nibbles decoded
+    by VBMI's byte permute: the same bits, kernels/fp4_i8.py) | avx512vnni (AVX-512BW with VNNI's
+    integer dot products) | avx512 | avx2 | scalar (any non-x86 host: scalar). DSV41_CPU_ISA narrows
+    it; asking for a wider one than the CPU has is an error."""
     real = native_isa()
     forced = os.environ.get("DSV41_CPU_ISA")
     if not forced:
@@ -118,7 +122,7 @@ def isa() -> str:
 def amx_tiles() -> bool:
     """Whether the CPU kernels may use AMX int8 tiles (only the lab's exact tile route does so far:
     kernels/lab/fp4_amx_tiles.py): the CPU has them (amx-tile and
-    amx-int8), the SIMD path is the widest (a narrowed $DSV41_CPU_ISA leaves them out too), Linux grants
+    amx-int8), the SIMD path has VNNI (a $DSV41_CPU_ISA narrower leaves them out too), Linux grants
     this process the tile state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, asked once: kernels from 5.16) and
     $DSV41_CPU_AMX is not 0. $DSV41_CPU_AMX=1 on a host without them is an error."""
     want = os.environ.get("DSV41_CPU_AMX")
@@ -126,7 +130,7 @@ def amx_tiles() -> bool:
         raise HostFactError(f"$DSV41_CPU_AMX={want!r} must be 0 or 1")
     if want == "0":
         return False
-    ok = isa() == "avx512vnni" and _amx_granted()
+    ok = isa() in VNNI_PATHS and _amx_granted()
     if want == "1" and not ok:
         raise HostFactError("$DSV41_CPU_AMX=1, but this host's kernels cannot use AMX tiles "
                             f"(ISA path {isa()!r}; CPU tiles and the kernel's permission: {_amx_granted()})")

@@ -25,7 +25,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from hostinfo.measure import Measurement, measure
-from kernels.fp4_i8 import STEP, SUPER, _Step
+from kernels.fp4_i8 import STEP, SUPER, _Step, mode_error
 from kernels.fp4_simd import _data_ptrs, _literal
 from kernels.threads import set_threads
 
@@ -50,12 +50,12 @@ def int8_dot_peak(typingctx, mode_t, iters, codes, q, out):
     if mode is None:
         return None
     if mode not in STEP:
-        raise TypeError("mode must be 1 (AVX2), 2 (AVX-512BW) or 3 (AVX-512 VNNI)")
+        raise TypeError(mode_error(mode))
     sig = types.void(mode_t, iters, codes, q, out)
 
     def codegen(context, builder, signature, args):
         cbase, qbase, obase = _data_ptrs(context, builder, signature.args[2:], args[2:], (0, 1, 2))
-        st = _Step(builder, STEP[mode], mode == 3)
+        st = _Step(builder, STEP[mode], mode)
         nb, c64 = st.nb, (lambda v: ir.Constant(i64, v))  # noqa: E731
         slot = 2 * SUPER * nb
         accs = [cgutils.alloca_once_value(builder, ir.Constant(st.vi, [0] * st.n)) for _ in range(CHAINS)]

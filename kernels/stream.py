@@ -101,7 +101,7 @@ def variants() -> list[tuple[int, int]]:
     AVX-512 (elsewhere LLVM splits them into the 32-byte ones measured anyway). Which reads DRAM fastest
     is the CPU's: 64-byte loads beat LLVM's 32-byte ones by ~20% on a Xeon, 32-byte ones beat 64 by
     5-7% on a Zen 4 VM (which splits 512-bit ops in two; kernels/lab/README.md)."""
-    widths = LOAD_BYTES if isa() in ("avx512", "avx512vnni") else (32,)
+    widths = LOAD_BYTES if isa().startswith("avx512") else (32,)
     return [(S, w) for w in widths for S in LAYOUTS]
 
 

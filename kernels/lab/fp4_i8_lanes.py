@@ -37,7 +37,7 @@ def fp4_i8_dot_lanes(typingctx, R_t, T_t, mode_t, codes, c_off, c_stride, scales
     if R is None or T is None or mode is None:
         return None
     if mode not in STEP:
-        raise TypeError("mode must be 1 (AVX2), 2 (AVX-512BW) or 3 (AVX-512 VNNI)")
+        raise TypeError(fp4_i8.mode_error(mode))
     sig = types.void(R_t, T_t, mode_t, codes, c_off, c_stride, scales, s_off, s_stride, xq, xc, xr, a0, K,
                      out, o_off, o_stride, or_stride)
 
@@ -84,8 +84,8 @@ def fp4_i8_dot_lanes(typingctx, R_t, T_t, mode_t, codes, c_off, c_stride, scales
                 for j in range(T):
                     sums[r][j] = builder.call(red, [sums[r][j], builder.load(accs[r][j])])
 
-        run(_Step(builder, step, mode == 3), n_main, c64(0))
-        run(_Step(builder, 16, False), n_tail, builder.mul(n_main, c64(step)))
+        run(_Step(builder, step, mode), n_main, c64(0))
+        run(_Step(builder, 16, mode), n_tail, builder.mul(n_main, c64(step)))
         for r in range(R):
             for j in range(T):
                 o = builder.add(builder.add(o_off_v, builder.mul(o_stride_v, c64(j))), builder.mul(or_stride_v, c64(r)))

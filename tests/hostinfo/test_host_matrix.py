@@ -27,7 +27,7 @@ from runtime.checkpoint.reader import Checkpoint
 
 CASE = Path(__file__).with_name("host_case.py")
 NATIVE = isa()
-WIDER = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512vnni": 3}
+WIDER = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512vnni": 3, "avx512vbmi": 4}
 PROBE = {"DSV41_PROBE_MIB": "512"}          # above the V4.1 probe bank's floor (2 top_k + 8 experts, 359 MiB)
 
 

@@ -168,11 +168,11 @@ print(err, np.array_equal(d, dr))
 def _runnable_isas():
     from hostinfo import isa
     host = isa()
-    order = ["avx512vnni", "avx512", "avx2", "scalar"]
+    order = ISAS
     return order[order.index(host):]
 
 
-ISAS = ["avx512vnni", "avx512", "avx2", "scalar"]
+ISAS = ["avx512vbmi", "avx512vnni", "avx512", "avx2", "scalar"]
 
 
 def _isa_case(isa):
@@ -268,3 +268,44 @@ def test_forcing_the_cpus_own_path_shares_the_hosts_cache_and_a_narrower_one_doe
     if native_isa() != "scalar":
         own_dir, cached, _ = run("scalar")
         assert own_dir == host + "-scalar" and cached
+
+
+def _modes_gemv(mode):
+    """Every row of codes [N, K/2] against inputs 0-2 through fp4_i8_dot on instruction path `mode`:
+    rows 4 at a time with 3 inputs a row decode, then each row alone with input 1 (out[3 + 1, N])."""
+    from kernels.fp4_i8 import fp4_i8_dot
+
+    @numba.njit
+    def f(codes, scales, xq, xc, xr, K, out):
+        N = codes.shape[0]
+        for r in range(0, N, 4):
+            fp4_i8_dot(4, 3, mode, codes, r * (K // 2), K // 2, scales, r * (K // 32), K // 32, xq, xc, xr, 0, K, out, r, N, 1)
+        for r in range(N):
+            fp4_i8_dot(1, 1, mode, codes, r * (K // 2), 0, scales, r * (K // 32), 0, xq, xc, xr, 1, K, out, 3 * N + r, 0, 0)
+    return f
+
+
+def test_the_vbmi_decode_gives_the_vnni_paths_bits():
+    """avx512vbmi (mode 4) decodes the nibbles with `vpermb` instead of `vpandq` + `vpshufb`: the same bytes,
+    so every output must be avx512vnni's (mode 3) bits. Rows of superblocks, vector steps and 16-byte
+    steps (K = 5120, 2304, 1056, 96), 4 rows x 3 inputs a call and 1 x 1, fresh random codes and inputs,
+    NaN scales included."""
+    from hostinfo import isa
+    if isa() != "avx512vbmi":
+        pytest.skip(f"this CPU's widest path is {isa()}, not avx512vbmi")
+    from kernels.cpu_moe import SUPERBLOCK, _prepare, random_bytes
+    assert SUPERBLOCK == 256
+    vnni, vbmi = _modes_gemv(3), _modes_gemv(4)
+    rng = np.random.default_rng()
+    for K in (5120, 2304, 1056, 96):
+        codes = random_bytes(rng, (8, K // 2))
+        scales = rng.integers(110, 140, (8, K // 32), dtype=np.uint8)
+        scales[5, -1] = 255                                   # E8M0 NaN: NaN in that row's outputs on both paths
+        x = rng.standard_normal((3, K)).astype(np.float32)
+        xq, xc, xr = (a.reshape(-1) for a in _prepare(x, np.arange(3)))
+        outs = [np.full((4, 8), -1.0, np.float32) for _ in range(2)]
+        vnni(codes, scales, xq, xc, xr, K, outs[0].reshape(-1))
+        vbmi(codes, scales, xq, xc, xr, K, outs[1].reshape(-1))
+        assert np.isnan(outs[0][:, 5]).all() and np.isfinite(np.delete(outs[0], 5, axis=1)).all(), K
+        assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), K
+        assert np.array_equal(outs[0][3].view(np.uint32), outs[0][1].view(np.uint32)), K   # alone: the bits it gets beside others

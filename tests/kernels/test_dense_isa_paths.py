@@ -10,7 +10,7 @@ import pytest
 from hostinfo import isa
 
 RTOL = 1e-5          # fp32 sums of exact products (or of <= a few hundred per FP8 block) against float64
-ORDER = ["scalar", "avx2", "avx512", "avx512vnni"]
+ORDER = ["scalar", "avx2", "avx512", "avx512vnni", "avx512vbmi"]
 WEIGHTS = {
     "fp8": """
 from kernels.fp8_dense import Fp8Weight, fp8_linear as linear
