@@ -9,9 +9,9 @@ on the same file at the same depths: `--ioengine=libaio --iodepth=D`, `--ioengin
 is of medians, to the best engine. DRAM: the
 profiler's stream probe against a compiled C/OpenMP read reduction over the same buffer size
 (benchmarks/ref/stream_read.c, built here with gcc) and likwid-bench's read kernels (`load`: one stream
-per thread, `ddot`: two; every width it has, on the same thread count and size; and `read4`: four, a test
-file of ours, benchmarks/ref/likwid/, run in likwid-bench's harness) where installed, all interleaved over
-`--rounds` rounds.
+per thread, `ddot`: two; every width it has, on the same thread count and size; and `read2` / `read4`: two /
+four, loads only, test files of ours, benchmarks/ref/likwid/, run in likwid-bench's harness) where
+installed, all interleaved over `--rounds` rounds.
 One rule on every side: each variant's samples pooled over the rounds (the probe's sub-streams per
 thread x load widths, the C reference's 1, 2 and 4 sub-streams per thread, likwid's kernels), the
 variant with the best median compared (a best-of per sample would lift the noisier side); the ratio
@@ -48,17 +48,19 @@ def fio(path, engine, depth, seconds):
     return out["jobs"][0]["read"]["iops"]
 
 
-LIKWID_OWN = Path(__file__).parent / "ref" / "likwid"   # read kernels of four streams a thread (.ptt)
-LIKWID_KERNELS = ("load_avx512", "load_avx", "load", "ddot_avx512", "ddot_avx", "ddot", "read4_avx512", "read4_avx")
+LIKWID_OWN = Path(__file__).parent / "ref" / "likwid"   # read kernels of two and four streams a thread (.ptt)
+LIKWID_KERNELS = ("load_avx512", "load_avx", "load", "ddot_avx512", "ddot_avx", "ddot", "read2_avx512", "read2_avx",
+                  "read4_avx512", "read4_avx")
 
 
 def likwid(threads, nbytes):
     """-> {kernel: GB/s} for likwid-bench's read kernels on `threads` threads over `nbytes` (those that run
     here): `load*` read one stream per thread, `ddot*` (a dot product of two vectors: loads only) two, and
-    `read4*`, this repository's (benchmarks/ref/likwid/*.ptt: likwid-bench compiles a test file it finds
-    under $HOME/.likwid/bench/x86-64 and runs it in its own harness: its threads, pinning, allocation and
-    timer), four: the probe's best layout on the Zen 2 VM, which likwid ships no kernel for. Which reads
-    DRAM faster is a fact of the host (the probe tries 1, 2 and 4 sub-streams per thread too)."""
+    `read2*` and `read4*`, this repository's (benchmarks/ref/likwid/*.ptt: likwid-bench compiles a test file
+    it finds under $HOME/.likwid/bench/x86-64 and runs it in its own harness: its threads, pinning,
+    allocation and timer), two and four with nothing but loads: the probe's layouts (the best on the AMX
+    Xeon VM and on the Zen 2 VM), which likwid ships no pure-load kernel for. Which reads DRAM faster is
+    a fact of the host (the probe tries 1, 2 and 4 sub-streams per thread too)."""
     out = {}
     with tempfile.TemporaryDirectory() as home:
         own = Path(home) / ".likwid" / "bench" / "x86-64"

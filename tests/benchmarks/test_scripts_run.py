@@ -89,30 +89,34 @@ def test_decode_roofline_copies_compute_what_the_held_weights_do():
 
 def test_profiler_vs_tools_keeps_likwid_read_kernels_of_one_two_and_four_streams(monkeypatch):
     """likwid-bench's `load` kernels read one stream per thread, `ddot` two (on the Zen 2 VM `ddot_avx`
-    read 41 GB/s where `load_avx` read 31), our `read4` test files four (47 there: the probe's layout),
-    each found by likwid-bench under $HOME/.likwid/bench/x86-64 while it runs; a kernel the CPU lacks
-    (exit != 0) is left out."""
+    read 41 GB/s where `load_avx` read 31), our `read2` and `read4` test files two and four with loads
+    only (read4 47 there: the probe's layout), each found by likwid-bench under
+    $HOME/.likwid/bench/x86-64 while it runs; a kernel the CPU lacks (exit != 0) is left out."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("profiler_vs_tools", SCRIPTS / "profiler_vs_tools.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    asked, rates = [], {"load_avx": 31285.5, "load": 20000.0, "ddot_avx": 41163.2, "ddot": 30000.0, "read4_avx": 47383.6}
+    asked, rates = [], {"load_avx": 31285.5, "load": 20000.0, "ddot_avx": 41163.2, "ddot": 30000.0, "read4_avx": 47383.6,
+                     "read2_avx512": 45000.0}
 
     def run(cmd, env=None, **kw):
         kernel = cmd[cmd.index("-t") + 1]
         asked.append((kernel, cmd[cmd.index("-w") + 1]))
-        if kernel.startswith("read4"):                  # our test file is where likwid-bench looks for it
+        if kernel.startswith("read"):                   # our test file is where likwid-bench looks for it
+            n = int(kernel[4])
             ptt = (Path(env["HOME"]) / ".likwid" / "bench" / "x86-64" / f"{kernel}.ptt").read_text().splitlines()
-            assert "STREAMS 4" in ptt and "LOADS 4" in ptt and "STORES 0" in ptt
+            assert f"STREAMS {n}" in ptt and f"LOADS {n}" in ptt and "STORES 0" in ptt and f"BYTES {8 * n}" in ptt
             loads = [ln for ln in ptt if ln.startswith("vmovaps")]
-            assert len(loads) == 8 and {f"STR{i}" for i in range(4)} == {ln.split("[")[1].split()[0] for ln in loads}
+            width = 64 if kernel.endswith("512") else 32       # LOOP: doubles per stream an iteration reads
+            assert len(loads) == 8 and f"LOOP {8 // n * width // 8}" in ptt, kernel
+            assert {f"STR{i}" for i in range(n)} == {ln.split("[")[1].split()[0] for ln in loads}
         ok = kernel in rates
         out = f"Cycles:\t\t123\nMByte/s:\t\t{rates[kernel]}\nMFlops/s:\t\t1\n" if ok else ""
         return subprocess.CompletedProcess(cmd, 0 if ok else 1, out, "" if ok else "unknown kernel")
     monkeypatch.setattr(mod.subprocess, "run", run)
     got = mod.likwid(2, 1 << 30)
     assert {k for k, _ in asked} == {"load_avx512", "load_avx", "load", "ddot_avx512", "ddot_avx", "ddot",
-                                      "read4_avx512", "read4_avx"}
+                                      "read2_avx512", "read2_avx", "read4_avx512", "read4_avx"}
     assert all(w == "N:1024MB:2" for _, w in asked)
     assert got == {k: v / 1e3 for k, v in rates.items()}
 
