@@ -6,8 +6,10 @@ and the SIMD paths sum weight x input in integers, a whole 32-weight block per i
 (kernels/fp4_i8.py); the scalar path sums the same integers in plain loops, 4 code bytes at a time, so
 its float rounding differs from the SIMD paths' (each path is the same bits for every plan). Shapes
 that matter: decode (1 token x top-6 experts), DSpark verification (2-6 tokens whose experts overlap),
-small batches; prefill widths go through `expert_ffn_dense` (dequantize a tile, torch matmul) when
-that is faster (the crossover is measured in benchmarks/cpu_moe.py and kept in DENSE_MIN_TOKENS).
+small batches, and prefill widths too. `expert_ffn_dense` (dequantize a tile, torch matmul) is the
+benchmark's comparison only (benchmarks/cpu_moe.py): the runtime never takes it, because its rounding
+differs from the kernel's, so a plan's prefill chunk would change which arithmetic a token gets (the
+chunk is an exact knob); on the AMX Xeon VM it was also 16x slower at 16 tokens an expert, 7x at 64.
 
 Bank layout (built by the runtime at load; FreeToken's layout):
   w13_codes [E, 2I, H/2] u8, w13_scales [E, 2I, H/32] u8   rows 0..I-1 = gate (w1), I..2I-1 = up (w3)
@@ -47,8 +49,6 @@ ROW_STREAMS = (1, 4)         # DRAM streams a thread reads at once: rows in orde
 DEFAULT_STREAMS = 1          # where nothing was measured: rows in order won on 3 of the 4 hosts measured (kernels/lab/README.md)
 ROW_INPUTS = (4, 8)          # the most inputs one row decode serves with rows in order (4 rows apart: always 4)
 DEFAULT_INPUTS = 4           # where nothing was measured: 8 won on the Emerald Rapids VM, 4 on the Zen 4 VM (`_rows`)
-DENSE_MIN_TOKENS = 256       # tokens per expert from which dequantize + torch matmul may win (measured here: the
-                             # GEMV kernel is still ahead at 256 without AMX; on AMX hosts re-measure)
 
 
 def l1_input_bytes() -> int:
