@@ -5,7 +5,7 @@ support of a filesystem, CUDA. Nothing else in the project reads /proc, /sys, cp
 Each fact has an environment override, so the tests run the whole product under host shapes other
 than the one they run on (docs/host-overrides.md):
 
-  DSV41_CPU_ISA      avx512vbmi | avx512vnni | avx512 | avx2 | scalar   the kernels' SIMD path (narrower than the CPU's only)
+  DSV41_CPU_ISA      avx512vbmi | avx512vnni | avx512 | avx2vnni | avx2 | scalar   the kernels' SIMD path (one the CPU can run)
   DSV41_LLC_MIB      MiB per last-level cache domain
   DSV41_LLC_DOMAINS  how many distinct last-level cache domains (default 1 with DSV41_LLC_MIB)
   DSV41_L1D_KIB      KiB of one core's L1 data cache
@@ -28,7 +28,14 @@ from pathlib import Path
 
 import psutil
 
-ISAS = ("avx512vbmi", "avx512vnni", "avx512", "avx2", "scalar")      # widest first
+# The kernels' SIMD paths, widest first, each with the LLVM CPU features it needs (kernels/fp4_i8.py
+# modes 4, 3, 2, 5, 1 and the scalar loops): VNNI's integer dots on AVX-512 (with VBMI's byte permute for
+# the nibbles), AVX-512BW, AVX-VNNI's on 256-bit vectors (Alder Lake and later Intel client cores without
+# AVX-512), AVX2 + FMA.
+PATH_FEATURES = {"avx512vbmi": ("avx512f", "avx512bw", "avx512vnni", "avx512vbmi"),
+                 "avx512vnni": ("avx512f", "avx512bw", "avx512vnni"), "avx512": ("avx512f", "avx512bw"),
+                 "avx2vnni": ("avx2", "fma", "avxvnni"), "avx2": ("avx2", "fma"), "scalar": ()}
+ISAS = tuple(PATH_FEATURES)
 VNNI_PATHS = ISAS[:2]
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
 _SYS_CPU = Path("/sys/devices/system/cpu")
@@ -88,34 +95,41 @@ def cpu_flags() -> list[str]:
     return [f for f in ISA_FLAGS if f in flags]
 
 
-def native_isa() -> str:
-    """The widest SIMD path this CPU offers, whatever $DSV41_CPU_ISA says (see `isa`)."""
+def _missing(path: str) -> list[str]:
+    """The CPU features `path` needs that this CPU lacks (every one off x86)."""
     if arch() not in ("x86_64", "AMD64", "i686", "i386"):
-        return "scalar"
+        return list(PATH_FEATURES[path])
     import llvmlite.binding as llvm
     feats = llvm.get_host_cpu_features()
-    if feats.get("avx512f") and feats.get("avx512bw"):
-        if feats.get("avx512vnni"):
-            return "avx512vbmi" if feats.get("avx512vbmi") else "avx512vnni"
-        return "avx512"
-    if feats.get("avx2") and feats.get("fma"):
-        return "avx2"
-    return "scalar"
+    return [f for f in PATH_FEATURES[path] if not feats.get(f)]
+
+
+def runnable_isas() -> list[str]:
+    """Every SIMD path this CPU can run, widest first (scalar always), whatever $DSV41_CPU_ISA says."""
+    return [p for p in ISAS if not _missing(p)]
+
+
+def native_isa() -> str:
+    """The widest SIMD path this CPU offers, whatever $DSV41_CPU_ISA says (see `isa`)."""
+    return runnable_isas()[0]
 
 
 def isa() -> str:
     """The widest SIMD path the CPU kernels can take here: avx512vbmi (avx512vnni's, the nibbles decoded
     by VBMI's byte permute: the same bits, kernels/fp4_i8.py) | avx512vnni (AVX-512BW with VNNI's
-    integer dot products) | avx512 | avx2 | scalar (any non-x86 host: scalar). DSV41_CPU_ISA narrows
-    it; asking for a wider one than the CPU has is an error."""
+    integer dot products) | avx512 | avx2vnni (AVX2 with AVX-VNNI's dot products: the same bits as
+    avx2) | avx2 | scalar (any non-x86 host: scalar). DSV41_CPU_ISA picks another path the CPU can run;
+    one it cannot (it would crash with SIGILL) is an error."""
     real = native_isa()
     forced = os.environ.get("DSV41_CPU_ISA")
     if not forced:
         return real
     if forced not in ISAS:
         raise HostFactError(f"$DSV41_CPU_ISA={forced!r} must be one of {ISAS}")
-    if ISAS.index(forced) < ISAS.index(real):
-        raise HostFactError(f"$DSV41_CPU_ISA={forced!r} is wider than this CPU's {real!r}")
+    missing = _missing(forced)
+    if missing:
+        raise HostFactError(f"$DSV41_CPU_ISA={forced!r} needs {', '.join(missing)}, which this CPU lacks "
+                            f"(its widest path: {real!r})")
     return forced
 
 

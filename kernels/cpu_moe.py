@@ -37,8 +37,8 @@ from kernels.fp4_simd import E2M1, fp4_dequant
 from kernels.threads import set_threads
 
 ISA = isa()                  # the host's widest path, or $DSV41_CPU_ISA (hostinfo)
-LANES = {"avx512vbmi": 16, "avx512vnni": 16, "avx512": 16, "avx2": 8, "scalar": 0}[ISA]   # compile-time constants below
-MODE = {"avx512vbmi": 4, "avx512vnni": 3, "avx512": 2, "avx2": 1, "scalar": 0}[ISA]        # fp4_i8_dot's instruction path
+LANES = {"avx512vbmi": 16, "avx512vnni": 16, "avx512": 16, "avx2vnni": 8, "avx2": 8, "scalar": 0}[ISA]   # compile-time constants
+MODE = {"avx512vbmi": 4, "avx512vnni": 3, "avx512": 2, "avx2vnni": 5, "avx2": 1, "scalar": 0}[ISA]        # fp4_i8_dot's path
 SUPERBLOCK = superblock_bytes(MODE)                                      # the inputs' layout (kernels/fp4_i8.py)
 # Compiled code is cached on disk for the host's path, and for a forced path where it has a cache
 # directory of its own (kernels/__init__.py); else a forced path (tests) compiles in memory, so no

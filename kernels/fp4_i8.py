@@ -5,7 +5,9 @@ permutes, three FP ops) and is compute-bound at ~10 GB/s per core. Here an exper
 per 32-block to int8 (kernels/formats.py `quantize_act`, the arithmetic every expert path uses) and
 the weights are summed against it in integers: nibbles through a byte shuffle (`vpshufb`: nibble ->
 2 x E2M1 + 12, an unsigned byte in [0, 24]; with AVX-512 VBMI a byte permute, below), products through
-`vpdpbusd` (AVX-512 VNNI) or `vpmaddubsw` + `vpmaddwd` (AVX2, AVX-512BW).
+`vpdpbusd` (AVX-512 VNNI; AVX-VNNI on 32-byte vectors) or `vpmaddubsw` + `vpmaddwd` (AVX2,
+AVX-512BW): the same integer per 32-bit lane either way (its 4 bytes' products), so paths of one vector
+width give the same bits (AVX2's 32-byte superblocks sum their floats in another order than AVX-512's).
 
 Superblocks (the main part of a row). A row is read in superblocks of 4 vectors of code bytes (4 x 64
 with AVX-512, 4 x 32 with AVX2: 16 or 8 blocks of 32 weights). The 4 vectors are transposed by 32-bit
@@ -45,7 +47,7 @@ byte 0, 2^-127, flushes to 0: under 1e-38 of any product).
 o_stride, or_stride)` (R, T, mode literals): for rows r < R (codes at c_off + r*c_stride, scales at
 s_off + r*s_stride) and inputs a0 + j, j < T: out[o_off + j*o_stride + r*or_stride] = row r . input j.
 mode 1: AVX2 (32-byte vectors), 2: AVX-512BW (64-byte), 3: AVX-512 VNNI (64-byte), 4: AVX-512 VNNI with
-the VBMI decode (64-byte). `MODES` names them.
+the VBMI decode (64-byte), 5: AVX2 with AVX-VNNI (32-byte; mode 1's bits). `MODES` names them.
 """
 from __future__ import annotations
 
@@ -58,8 +60,8 @@ from kernels.fp4_simd import E2M1, _data_ptrs, _literal, prefetch_weights
 
 OFFSET = 12                                           # 2 x E2M1 in [-12, 12] -> + 12 in [0, 24]
 LUT16 = [int(2 * v) + OFFSET for v in E2M1]
-STEP = {1: 32, 2: 64, 3: 64, 4: 64}                   # bytes per vector
-MODES = {1: "AVX2", 2: "AVX-512BW", 3: "AVX-512 VNNI", 4: "AVX-512 VNNI + VBMI"}
+STEP = {1: 32, 2: 64, 3: 64, 4: 64, 5: 32}            # bytes per vector
+MODES = {1: "AVX2", 2: "AVX-512BW", 3: "AVX-512 VNNI", 4: "AVX-512 VNNI + VBMI", 5: "AVX2 + AVX-VNNI"}
 SUPER = 4                                             # vectors per superblock
 
 i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -105,7 +107,7 @@ class _Step:
     def __init__(self, builder, nb, mode):
         self.b, self.nb, self.n = builder, nb, nb // 4
         self.vb, self.vw, self.vi, self.vf = _vec(i8, nb), _vec(i16, nb // 2), _vec(i32, nb // 4), _vec(f32, nb // 4)
-        self.vnni = mode >= 3 and nb == 64
+        self.vnni = (mode in (3, 4) and nb == 64) or (mode == 5 and nb == 32)
         self.vbmi = mode == 4 and nb == 64
         suffix = {16: ("ssse3.pshuf.b.128", "ssse3.pmadd.ub.sw.128", "sse2.pmadd.wd"),
                   32: ("avx2.pshuf.b", "avx2.pmadd.ub.sw", "avx2.pmadd.wd"),
@@ -114,7 +116,7 @@ class _Step:
         self.maddubs = _fn(builder, "llvm.x86." + suffix[1], self.vw, [self.vb, self.vb])
         self.maddwd = _fn(builder, "llvm.x86." + suffix[2], self.vi, [self.vw, self.vw])
         if self.vnni:
-            self.dpbusd = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", self.vi, [self.vi, self.vi, self.vi])
+            self.dpbusd = _fn(builder, f"llvm.x86.avx512.vpdpbusd.{8 * nb}", self.vi, [self.vi, self.vi, self.vi])
         self.fma = _fn(builder, f"llvm.fma.v{self.n}f32", self.vf, [self.vf, self.vf, self.vf])
         if self.vbmi:
             self.permb = _fn(builder, "llvm.x86.avx512.permvar.qi.512", self.vb, [self.vb, self.vb])

@@ -97,14 +97,26 @@ def test_overrides_are_validated_and_named(monkeypatch):
         hostinfo.isa()
 
 
-def test_an_isa_wider_than_the_cpu_is_refused(monkeypatch):
+def test_a_path_the_cpu_cannot_run_is_refused_and_every_other_is_taken(monkeypatch):
+    """A path needs CPU features (machine.PATH_FEATURES): forcing one the CPU lacks would crash with
+    SIGILL, so it is refused, naming what is missing; every path it can run may be forced. Some paths
+    are unrunnable on any CPU that can take this test's off-x86 shape (arch monkeypatched)."""
     monkeypatch.delenv("DSV41_CPU_ISA", raising=False)
-    native = hostinfo.isa()
-    if native == machine.ISAS[0]:
-        pytest.skip(f"nothing is wider than {native} here")
-    monkeypatch.setenv("DSV41_CPU_ISA", machine.ISAS[machine.ISAS.index(native) - 1])
-    with pytest.raises(HostFactError, match="wider than this CPU"):
+    ok = hostinfo.runnable_isas()
+    assert ok[0] == hostinfo.isa() and ok[-1] == "scalar" and list(ok) == [p for p in machine.ISAS if p in ok]
+    for path in machine.ISAS:
+        monkeypatch.setenv("DSV41_CPU_ISA", path)
+        if path in ok:
+            assert hostinfo.isa() == path
+        else:
+            with pytest.raises(HostFactError, match="which this CPU lacks"):
+                hostinfo.isa()
+    monkeypatch.setattr(machine, "arch", lambda: "aarch64")
+    monkeypatch.setenv("DSV41_CPU_ISA", "avx2")
+    with pytest.raises(HostFactError, match="needs avx2, fma, which this CPU lacks"):
         hostinfo.isa()
+    monkeypatch.delenv("DSV41_CPU_ISA")
+    assert hostinfo.runnable_isas() == ["scalar"] and hostinfo.isa() == "scalar"
 
 
 def test_usable_cores_never_exceed_numba_affinity_or_cores(monkeypatch):

@@ -166,13 +166,11 @@ print(err, np.array_equal(d, dr))
 
 
 def _runnable_isas():
-    from hostinfo import isa
-    host = isa()
-    order = ISAS
-    return order[order.index(host):]
+    from hostinfo import runnable_isas
+    return runnable_isas()
 
 
-ISAS = ["avx512vbmi", "avx512vnni", "avx512", "avx2", "scalar"]
+ISAS = ["avx512vbmi", "avx512vnni", "avx512", "avx2vnni", "avx2", "scalar"]
 
 
 def _isa_case(isa):
@@ -285,27 +283,30 @@ def _modes_gemv(mode):
     return f
 
 
-def test_the_vbmi_decode_gives_the_vnni_paths_bits():
-    """avx512vbmi (mode 4) decodes the nibbles with `vpermb` instead of `vpandq` + `vpshufb`: the same bytes,
-    so every output must be avx512vnni's (mode 3) bits. Rows of superblocks, vector steps and 16-byte
-    steps (K = 5120, 2304, 1056, 96), 4 rows x 3 inputs a call and 1 x 1, fresh random codes and inputs,
-    NaN scales included."""
-    from hostinfo import isa
-    if isa() != "avx512vbmi":
-        pytest.skip(f"this CPU's widest path is {isa()}, not avx512vbmi")
-    from kernels.cpu_moe import SUPERBLOCK, _prepare, random_bytes
-    assert SUPERBLOCK == 256
-    vnni, vbmi = _modes_gemv(3), _modes_gemv(4)
+@pytest.mark.parametrize("path, mode, same_as", [("avx512vbmi", 4, 3), ("avx2vnni", 5, 1)])
+def test_a_path_that_computes_the_same_integers_gives_the_same_bits(path, mode, same_as):
+    """avx512vbmi (mode 4) decodes the nibbles with `vpermb` instead of `vpandq` + `vpshufb` (avx512vnni,
+    mode 3); avx2vnni (mode 5) sums the products with AVX-VNNI's `vpdpbusd` instead of `vpmaddubsw` +
+    `vpmaddwd` (avx2, mode 1). The same integers per lane, so every output must be the other path's
+    bits. Rows of superblocks, vector steps and 16-byte steps (K = 5120, 2304, 1056, 96), 4 rows x 3
+    inputs a call and 1 x 1, fresh random codes and inputs, NaN scales included."""
+    from hostinfo import runnable_isas
+    if path not in runnable_isas():
+        pytest.skip(f"this CPU cannot run the {path} path")
+    from kernels.cpu_moe import _prepare, random_bytes
+    from kernels.fp4_i8 import STEP, superblock_bytes
+    assert STEP[mode] == STEP[same_as]
+    ours, theirs = _modes_gemv(mode), _modes_gemv(same_as)
     rng = np.random.default_rng()
     for K in (5120, 2304, 1056, 96):
         codes = random_bytes(rng, (8, K // 2))
         scales = rng.integers(110, 140, (8, K // 32), dtype=np.uint8)
         scales[5, -1] = 255                                   # E8M0 NaN: NaN in that row's outputs on both paths
         x = rng.standard_normal((3, K)).astype(np.float32)
-        xq, xc, xr = (a.reshape(-1) for a in _prepare(x, np.arange(3)))
+        xq, xc, xr = (a.reshape(-1) for a in _prepare(x, np.arange(3), superblock_bytes(mode)))
         outs = [np.full((4, 8), -1.0, np.float32) for _ in range(2)]
-        vnni(codes, scales, xq, xc, xr, K, outs[0].reshape(-1))
-        vbmi(codes, scales, xq, xc, xr, K, outs[1].reshape(-1))
+        theirs(codes, scales, xq, xc, xr, K, outs[0].reshape(-1))
+        ours(codes, scales, xq, xc, xr, K, outs[1].reshape(-1))
         assert np.isnan(outs[0][:, 5]).all() and np.isfinite(np.delete(outs[0], 5, axis=1)).all(), K
         assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), K
         assert np.array_equal(outs[0][3].view(np.uint32), outs[0][1].view(np.uint32)), K   # alone: the bits it gets beside others
