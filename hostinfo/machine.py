@@ -36,7 +36,7 @@ PATH_FEATURES = {"avx512vbmi": ("avx512f", "avx512bw", "avx512vnni", "avx512vbmi
                  "avx512vnni": ("avx512f", "avx512bw", "avx512vnni"), "avx512": ("avx512f", "avx512bw"),
                  "avx2vnni": ("avx2", "fma", "avxvnni"), "avx2": ("avx2", "fma"), "scalar": ()}
 ISAS = tuple(PATH_FEATURES)
-VNNI_PATHS = ISAS[:2]
+AMX_PATHS = ISAS[:2]         # the paths AMX tiles go with: AVX-512 VNNI's
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
 _SYS_CPU = Path("/sys/devices/system/cpu")
 
@@ -136,7 +136,8 @@ def isa() -> str:
 def amx_tiles() -> bool:
     """Whether the CPU kernels may use AMX int8 tiles (only the lab's exact tile route does so far:
     kernels/lab/fp4_amx_tiles.py): the CPU has them (amx-tile and
-    amx-int8), the SIMD path has VNNI (a $DSV41_CPU_ISA narrower leaves them out too), Linux grants
+    amx-int8), the SIMD path is one of AVX-512 VNNI's (`AMX_PATHS`: a $DSV41_CPU_ISA without it leaves
+    them out too), Linux grants
     this process the tile state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, asked once: kernels from 5.16) and
     $DSV41_CPU_AMX is not 0. $DSV41_CPU_AMX=1 on a host without them is an error."""
     want = os.environ.get("DSV41_CPU_AMX")
@@ -144,7 +145,7 @@ def amx_tiles() -> bool:
         raise HostFactError(f"$DSV41_CPU_AMX={want!r} must be 0 or 1")
     if want == "0":
         return False
-    ok = isa() in VNNI_PATHS and _amx_granted()
+    ok = isa() in AMX_PATHS and _amx_granted()
     if want == "1" and not ok:
         raise HostFactError("$DSV41_CPU_AMX=1, but this host's kernels cannot use AMX tiles "
                             f"(ISA path {isa()!r}; CPU tiles and the kernel's permission: {_amx_granted()})")

@@ -41,15 +41,16 @@ def test_l1d_is_cpu0s_level_1_data_cache_or_its_override(monkeypatch):
         hostinfo.l1d_bytes()
 
 
-def test_amx_tiles_need_the_cpu_the_widest_path_and_the_os_and_can_be_turned_off(monkeypatch):
+def test_amx_tiles_need_the_cpu_an_avx512_vnni_path_and_the_os_and_can_be_turned_off(monkeypatch):
     monkeypatch.delenv("DSV41_CPU_AMX", raising=False)
     monkeypatch.delenv("DSV41_CPU_ISA", raising=False)
     if machine._amx_granted():                                  # granted only where the CPU lists the tiles
         assert {"amx_tile", "amx_int8"} <= set(hostinfo.cpu_flags())
-    assert hostinfo.amx_tiles() == (machine._amx_granted() and hostinfo.isa() in ("avx512vbmi", "avx512vnni"))
+    assert machine.AMX_PATHS == ("avx512vbmi", "avx512vnni")
+    assert hostinfo.amx_tiles() == (machine._amx_granted() and hostinfo.isa() in machine.AMX_PATHS)
     assert hostinfo.facts().amx == hostinfo.amx_tiles()
     monkeypatch.setattr(machine, "_amx_granted", lambda: True)
-    assert hostinfo.amx_tiles() == (hostinfo.isa() in ("avx512vbmi", "avx512vnni"))
+    assert hostinfo.amx_tiles() == (hostinfo.isa() in machine.AMX_PATHS)
     monkeypatch.setenv("DSV41_CPU_ISA", "avx512")                  # a path without VNNI leaves the tiles out too
     assert hostinfo.amx_tiles() is False
     monkeypatch.delenv("DSV41_CPU_ISA")
@@ -99,8 +100,8 @@ def test_overrides_are_validated_and_named(monkeypatch):
 
 def test_a_path_the_cpu_cannot_run_is_refused_and_every_other_is_taken(monkeypatch):
     """A path needs CPU features (machine.PATH_FEATURES): forcing one the CPU lacks would crash with
-    SIGILL, so it is refused, naming what is missing; every path it can run may be forced. Some paths
-    are unrunnable on any CPU that can take this test's off-x86 shape (arch monkeypatched)."""
+    SIGILL, so it is refused, naming what is missing; every path it can run may be forced. Off x86
+    (arch monkeypatched) only the scalar path is left."""
     monkeypatch.delenv("DSV41_CPU_ISA", raising=False)
     ok = hostinfo.runnable_isas()
     assert ok[0] == hostinfo.isa() and ok[-1] == "scalar" and list(ok) == [p for p in machine.ISAS if p in ok]

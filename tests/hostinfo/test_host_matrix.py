@@ -88,7 +88,7 @@ BIG_CACHE = {"DSV41_LLC_MIB": "1024", "DSV41_RAM_GIB": "9", "DSV41_PROBE_MIB": "
 
 def isa_case(ck: Path, out: Path, want_isa: str, env: dict):
     if want_isa not in runnable_isas():
-        pytest.skip(f"this CPU's widest path is {NATIVE}, not {want_isa}")
+        pytest.skip(f"this CPU cannot run the {want_isa} path (its widest: {NATIVE})")
     return run_case(ck, out, env), env
 
 

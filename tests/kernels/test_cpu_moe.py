@@ -269,8 +269,8 @@ def test_forcing_the_cpus_own_path_shares_the_hosts_cache_and_a_narrower_one_doe
 
 
 def _modes_gemv(mode):
-    """Every row of codes [N, K/2] against inputs 0-2 through fp4_i8_dot on instruction path `mode`:
-    rows 4 at a time with 3 inputs a row decode, then each row alone with input 1 (out[3 + 1, N])."""
+    """Every row of codes [N, K/2] through fp4_i8_dot on instruction path `mode` -> out [4, N]: rows 0-2
+    inputs 0-2 (4 rows at a time, 3 inputs a row decode), row 3 input 1 again, each row alone."""
     from kernels.fp4_i8 import fp4_i8_dot
 
     @numba.njit

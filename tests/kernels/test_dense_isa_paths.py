@@ -38,7 +38,7 @@ PATHS = ["avx512", "avx2", "scalar"]
 
 def _case(kernel, path):
     if path not in runnable_isas():
-        pytest.skip(f"this CPU's widest path is {isa()}, not {path}")
+        pytest.skip(f"this CPU cannot run the {path} path (its widest: {isa()})")
     env = dict(os.environ, DSV41_CPU_ISA=path, NUMBA_NUM_THREADS="4")
     return subprocess.run([sys.executable, "-c", SCRIPT.format(weight=WEIGHTS[kernel])], env=env,
                           capture_output=True, text=True, timeout=300)
