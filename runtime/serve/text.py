@@ -2,7 +2,9 @@
 vLLM's incremental detokenizer does), never the whole output again; byte-level BPE tokens can split a
 UTF-8 character, so text is released only once it decodes whole. Stop strings are searched in the
 released text, the earliest match wins (not the first in the list), and a tail that could still become
-a stop string is held back until it cannot."""
+a stop string is held back until it cannot. A match is acted on only once no stop starting before it
+can still complete: with stops "on " and "n", the text "on" waits for the next character (", " then
+cuts before "on ", "x" before "n")."""
 from __future__ import annotations
 
 WINDOW = 6             # ids decoded before the new ones, so a token's leading space or merge is right
@@ -35,6 +37,12 @@ class TextStream:
         hits = [at for s in self.stop if (at := self.text.find(s, max(0, start))) >= 0]
         return min(hits) if hits else -1
 
+    def _pending_before(self, at: int) -> bool:
+        """Whether a stop could still match starting before `at`: the text from some j < at is a proper
+        prefix of it (the next characters decide)."""
+        n = len(self.text)
+        return any(s.startswith(self.text[j:]) for s in self.stop for j in range(max(0, n - len(s) + 1), at))
+
     def push(self, token_id: int) -> str:
         """Add one token; -> the text that can be released now ('' while held back)."""
         if self.stopped:
@@ -42,7 +50,7 @@ class TextStream:
         self.ids.append(token_id)
         self._advance()
         at = self._earliest_stop()
-        if at >= 0:
+        if at >= 0 and not self._pending_before(at):
             self.stopped = True
             out, self.sent = self.text[self.sent:at], at
             return out

@@ -84,6 +84,29 @@ def test_incremental_text_equals_the_whole_decode_and_cuts_at_the_earliest_stop(
         assert "".join(ts.push(i) for i in ids) + ts.flush() == whole[:first] and ts.stopped
 
 
+class _Pieces:
+    """A tokenizer whose token i decodes to pieces[i]."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.pieces[i] for i in ids)
+
+
+@pytest.mark.parametrize("nxt, want", [(" x", ""), ("x", "o"), (None, "o")])
+def test_a_match_waits_while_a_stop_starting_before_it_can_still_complete(nxt, want):
+    """Stops "on " and "n" after the text "on": "n" matches, but "on " (earlier) may still: the stream
+    waits for the next token. " x" completes it (cut before "on "), "x" rules it out (cut before "n"),
+    and the end of generation (flush) takes the earliest match there is. Hypothesis found this: the
+    stream cut before "n" at once, while the whole text's earliest match was "on "."""
+    ts = TextStream(_Pieces(["on", " x", "x"]), ["on ", "n"])
+    out = ts.push(0)
+    assert out == "" and not ts.stopped
+    out += ts.push(1 if nxt == " x" else 2) if nxt else ts.flush()
+    assert out + ts.flush() == want and ts.stopped
+
+
 def test_incremental_detokenization_decodes_a_window_not_the_whole_output(tok):
     calls = []
 
