@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from autotune.probes import nvme, runtime_paths
-from autotune.probes.cpu_moe import GEOMETRIES, ProbeTooLarge, cpu_moe, expert_bytes, random_bank, row_inputs, row_streams
+from autotune.probes.cpu_moe import (GEOMETRIES, VERIFY_TOKENS, ProbeTooLarge, cpu_moe, expert_bytes, random_bank, row_inputs,
+                                     row_streams)
 from hostinfo import cuda_available, probe_budget_bytes, usable_cores
 from hostinfo.fingerprint import fingerprint
 from hostinfo.measure import Measurement, measure
@@ -181,9 +182,10 @@ def _cpu_moe_sweep(cfg, cores: int, quick: bool, step) -> tuple[list, tuple | No
         here = gname == f"{cfg.hidden_size}x{cfg.moe_intermediate_size}"
         if layout is None and bank.expert_bytes >= 1 << 20:
             step("CPU-MoE row layout")
-            streams, by = row_streams(bank, cores, K, rounds=1 if quick else 5, note=note, repeats=2 if quick else 3)
+            streams, by, wide = row_streams(bank, cores, K, rounds=1 if quick else 5, note=note, repeats=2 if quick else 3)
             layout = {"best": streams, "geometry": gname, "threads": cores, "source": "measured",
-                      "gbs": {str(k): _fig(v) for k, v in by.items()}}
+                      "gbs": {str(k): _fig(v) for k, v in by.items()},
+                      "verify_tokens": VERIFY_TOKENS, "verify_gbs": {str(k): _fig(v) for k, v in wide.items()}}
             if streams == 1:              # 4 rows apart always decode for 4 inputs
                 step("CPU-MoE inputs per row decode")
                 inputs, by = row_inputs(bank, cores, K, rounds=1 if quick else 5, note=note, repeats=2 if quick else 3)

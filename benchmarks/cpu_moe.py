@@ -5,7 +5,8 @@
 For each thread count: DRAM stream read (buffer >= 4x LLC) and the kernel at batch 1 (1 token x top-6)
 over a bank >= 4x LLC, fresh experts every step, in each row layout (`streams` 4: four rows a
 quarter-chunk apart per thread; 1: rows in order), all interleaved in rounds; the faster layout is
-the row's figure (the profiler picks it the same way) and the other is kept beside it. Every ratio
+the row's figure and the other is kept beside it (the profiler also weighs a verify of 8 tokens:
+autotune/probes/cpu_moe.py `pick_layout`). Every ratio
 is the median of per-round ratios, each round's kernel over the stream read in that round
 (hostinfo.measure.paired_ratio: a VM's bandwidth can flip between phases a few seconds long), with
 its spread over the rounds. Geometries: V4.1 (5120x2304,
