@@ -158,8 +158,9 @@ def main(argv=None):
     plan = Plan(moe_strategy="cpu", cpu_threads=T, prefill_chunk=args.prompt_tokens, max_context=args.prompt_tokens + args.max_tokens + 8)
     engine = Engine(ck, plan)
     if args.streams == "measured":                               # the layout the tuner would put in the plan here
-        streams, by = row_streams(engine.experts.host[0], T, cfg.num_experts_per_tok)
-        print("row layout: " + ", ".join(f"{k} stream(s) {v.median:.1f} GB/s" for k, v in by.items()) + f" -> {streams}")
+        streams, by, wide = row_streams(engine.experts.host[0], T, cfg.num_experts_per_tok)
+        print("row layout (batch 1; verify of 8): " + ", ".join(f"{k} stream(s) {v.median:.1f}; {wide[k].median:.1f} GB/s"
+                                                              for k, v in by.items()) + f" -> {streams}")
     else:
         streams = int(args.streams)
     inputs = int(args.inputs) if args.inputs != "measured" else plan.cpu_moe_inputs
