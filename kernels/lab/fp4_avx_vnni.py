@@ -16,28 +16,14 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from numba import njit, prange
-
 from hostinfo import runnable_isas, usable_cores
-from kernels.cpu_moe import ROWS_PER_CHUNK, _prepare, random_bytes
-from kernels.fp4_i8 import fp4_i8_dot, superblock_bytes
+from kernels.cpu_moe import _prepare, random_bytes
+from kernels.fp4_i8 import superblock_bytes
 from kernels.lab.fp4_ceiling import ROWS, STEPS, rate
-from kernels.lab.weight_prefetch import H
+from kernels.lab.weight_prefetch import H, gemv
 from kernels.stream import dram_stream_read
 
 PATHS = {"avx2 (mode 1)": 1, "avx2vnni (mode 5)": 5}
-
-
-def gemv(mode, T):
-    """Rows row0..row0+n-1 against inputs 0..T-1 on instruction path `mode`, each row decoded once."""
-    @njit(parallel=True, nogil=True)
-    def f(w, s, x, out, row0, n):
-        xq, xc, xr = x
-        for c in prange(n // ROWS_PER_CHUNK):
-            for i in range(ROWS_PER_CHUNK):
-                r = row0 + c * ROWS_PER_CHUNK + i
-                fp4_i8_dot(1, T, mode, w, r * (H // 2), 0, s, r * (H // 32), 0, xq, xc, xr, 0, H, out, r - row0, n, 0)
-    return f
 
 
 def main(argv=None):
@@ -54,7 +40,7 @@ def main(argv=None):
     print(f"{args.threads} threads, {args.rounds} rounds; GB/s of weight bytes; ratio: per round, avx2vnni / avx2")
     for T in args.inputs:
         x = tuple(a.reshape(-1) for a in _prepare(rng.standard_normal((T, H)).astype(np.float32), np.arange(T), superblock_bytes(1)))
-        fs = {n: gemv(m, T) for n, m in PATHS.items()}
+        fs = {n: gemv("fp4", m, T) for n, m in PATHS.items()}
         outs = {n: np.empty(T * ROWS, np.float32) for n in PATHS}
         for n in PATHS:
             fs[n](w, s, x, outs[n], 7 * ROWS, ROWS)

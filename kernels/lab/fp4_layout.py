@@ -36,10 +36,11 @@ VARIANTS = {"package": {}, "no transpose": {"transpose": lambda self, vs: vs},
             "no transpose, plain scales": {"transpose": lambda self, vs: vs, "scale": _plain_scale}}
 
 
-def compiled(name, args):
-    """A fresh copy of the GEMV with `name`'s methods swapped into fp4_i8._Step while it compiles."""
-    f, saved = gemv("fp4"), {k: getattr(fi._Step, k) for k in VARIANTS[name]}
-    for k, v in VARIANTS[name].items():
+def with_swaps(f, swaps, args):
+    """Compile `f` by a call on `args` with `swaps` ({method: function}) put into fp4_i8._Step meanwhile
+    (the emitted code is the variant's; the methods are put back after). -> f."""
+    saved = {k: getattr(fi._Step, k) for k in swaps}
+    for k, v in swaps.items():
         setattr(fi._Step, k, v)
     try:
         f(*args)
@@ -47,6 +48,11 @@ def compiled(name, args):
         for k, v in saved.items():
             setattr(fi._Step, k, v)
     return f
+
+
+def compiled(name, args):
+    """A fresh copy of the GEMV with `name`'s methods swapped in while it compiles."""
+    return with_swaps(gemv("fp4"), VARIANTS[name], args)
 
 
 def main(argv=None):

@@ -19,11 +19,10 @@ import argparse
 
 import numpy as np
 
-import kernels.fp4_i8 as fi
 from hostinfo import isa, usable_cores
 from kernels.cpu_moe import _prepare, random_bytes
 from kernels.lab.fp4_ceiling import ROWS, STEPS, rate
-from kernels.lab.fp4_layout import _plain_scale
+from kernels.lab.fp4_layout import _plain_scale, with_swaps
 from kernels.lab.weight_prefetch import H, gemv
 from kernels.stream import dram_stream_read
 
@@ -32,17 +31,9 @@ VARIANTS = {"vpshufb (mode 3)": (3, {}), "vpermb (mode 4)": (4, {}),
 
 
 def compiled(name, args):
-    """A fresh copy of the GEMV on `name`'s mode, its methods swapped into fp4_i8._Step while it compiles."""
+    """A fresh copy of the GEMV on `name`'s mode, its methods swapped in while it compiles."""
     mode, swaps = VARIANTS[name]
-    f, saved = gemv("fp4", mode), {k: getattr(fi._Step, k) for k in swaps}
-    for k, v in swaps.items():
-        setattr(fi._Step, k, v)
-    try:
-        f(*args)
-    finally:
-        for k, v in saved.items():
-            setattr(fi._Step, k, v)
-    return f
+    return with_swaps(gemv("fp4", mode), swaps, args)
 
 
 def main(argv=None):

@@ -34,9 +34,10 @@ H = 5120
 CONFIGS = [(2048, 3), (16384, 1), (32768, 1), (16384, 3)]     # (bytes ahead, locality); the first is the baseline
 
 
-def gemv(kernel, mode=MODE):
+def gemv(kernel, mode=MODE, inputs=1):
     """A fresh njit GEMV over rows row0..row0+n-1 through `kernel`'s intrinsic (each copy emits its own code;
-    fp4 on instruction path `mode`, the host's by default)."""
+    fp4 on instruction path `mode`, the host's by default, against `inputs` inputs sharing each row
+    decode: out [inputs, n])."""
     if kernel == "fp4":
         @njit(parallel=True, nogil=True)
         def f(w, s, x, out, row0, n):
@@ -44,7 +45,7 @@ def gemv(kernel, mode=MODE):
             for c in prange(n // ROWS_PER_CHUNK):
                 for i in range(ROWS_PER_CHUNK):
                     r = row0 + c * ROWS_PER_CHUNK + i
-                    fp4_i8_dot(1, 1, mode, w, r * (H // 2), 0, s, r * (H // 32), 0, xq, xc, xr, 0, H, out, r - row0, 0, 0)
+                    fp4_i8_dot(1, inputs, mode, w, r * (H // 2), 0, s, r * (H // 32), 0, xq, xc, xr, 0, H, out, r - row0, n, 0)
     elif kernel == "fp8":
         @njit(parallel=True, nogil=True)
         def f(w, s, x, out, row0, n):
