@@ -95,12 +95,18 @@ def cpu_flags() -> list[str]:
     return [f for f in ISA_FLAGS if f in flags]
 
 
+@functools.lru_cache(maxsize=1)
+def _llvm_features() -> dict:
+    """LLVM's view of this CPU's features (asked once: every `isa()` checks every path against them)."""
+    import llvmlite.binding as llvm
+    return dict(llvm.get_host_cpu_features())
+
+
 def _missing(path: str) -> list[str]:
     """The CPU features `path` needs that this CPU lacks (every one off x86)."""
     if arch() not in ("x86_64", "AMD64", "i686", "i386"):
         return list(PATH_FEATURES[path])
-    import llvmlite.binding as llvm
-    feats = llvm.get_host_cpu_features()
+    feats = _llvm_features()
     return [f for f in PATH_FEATURES[path] if not feats.get(f)]
 
 
@@ -156,8 +162,7 @@ def amx_tiles() -> bool:
 def _amx_granted() -> bool:
     if arch() != "x86_64" or platform.system() != "Linux":
         return False
-    import llvmlite.binding as llvm
-    feats = llvm.get_host_cpu_features()
+    feats = _llvm_features()
     if not (feats.get("amx-tile") and feats.get("amx-int8")):
         return False
     import ctypes

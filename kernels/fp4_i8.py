@@ -62,6 +62,7 @@ OFFSET = 12                                           # 2 x E2M1 in [-12, 12] ->
 LUT16 = [int(2 * v) + OFFSET for v in E2M1]
 STEP = {1: 32, 2: 64, 3: 64, 4: 64, 5: 32}            # bytes per vector
 MODES = {1: "AVX2", 2: "AVX-512BW", 3: "AVX-512 VNNI", 4: "AVX-512 VNNI + VBMI", 5: "AVX2 + AVX-VNNI"}
+VNNI_MODES, VBMI_MODES = (3, 4, 5), (4,)              # their main vectors sum with vpdpbusd / decode with vpermb
 SUPER = 4                                             # vectors per superblock
 
 i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -107,8 +108,8 @@ class _Step:
     def __init__(self, builder, nb, mode):
         self.b, self.nb, self.n = builder, nb, nb // 4
         self.vb, self.vw, self.vi, self.vf = _vec(i8, nb), _vec(i16, nb // 2), _vec(i32, nb // 4), _vec(f32, nb // 4)
-        self.vnni = (mode in (3, 4) and nb == 64) or (mode == 5 and nb == 32)
-        self.vbmi = mode == 4 and nb == 64
+        main = nb == STEP[mode]                       # the 16-byte tail steps keep the SSE ops
+        self.vnni, self.vbmi = main and mode in VNNI_MODES, main and mode in VBMI_MODES
         suffix = {16: ("ssse3.pshuf.b.128", "ssse3.pmadd.ub.sw.128", "sse2.pmadd.wd"),
                   32: ("avx2.pshuf.b", "avx2.pmadd.ub.sw", "avx2.pmadd.wd"),
                   64: ("avx512.pshuf.b.512", "avx512.pmaddubs.w.512", "avx512.pmaddw.d.512")}[nb]

@@ -3,7 +3,7 @@ vLLM's incremental detokenizer does), never the whole output again; byte-level B
 UTF-8 character, so text is released only once it decodes whole. Stop strings are searched in the
 released text, the earliest match wins (not the first in the list), and a tail that could still become
 a stop string is held back until it cannot. A match is acted on only once no stop starting before it
-can still complete: with stops "on " and "n", the text "on" waits for the next character (", " then
+can still complete: with stops "on " and "n", the text "on" waits for the next character (" " then
 cuts before "on ", "x" before "n")."""
 from __future__ import annotations
 
