@@ -32,7 +32,7 @@ from numba.extending import overload
 from hostinfo import isa, l1d_bytes
 from kernels import ISA_CACHE
 from kernels.formats import dequantize_mxfp4, quantize_act
-from kernels.fp4_i8 import LUT16, OFFSET, fp4_i8_dot, superblock_bytes
+from kernels.fp4_i8 import LUT16, OFFSET, ROWS_FIRST, fp4_i8_dot, superblock_bytes
 from kernels.fp4_simd import E2M1, fp4_dequant
 from kernels.threads import set_threads
 
@@ -49,6 +49,11 @@ ROW_STREAMS = (1, 4)         # DRAM streams a thread reads at once: rows in orde
 DEFAULT_STREAMS = 1          # where nothing was measured: rows in order won on 3 of the 4 hosts measured (kernels/lab/README.md)
 ROW_INPUTS = (4, 8)          # the most inputs one row decode serves with rows in order (4 rows apart: always 4)
 DEFAULT_INPUTS = 4           # where nothing was measured: 8 won on the Emerald Rapids VM, 4 on the Zen 4 VM (`_rows`)
+# Rows in order go in pairs for a slot of 2 inputs or more where the path decodes 2 rows before loading its
+# inputs (AVX-512's 32 registers; kernels/fp4_i8.py ROWS_FIRST): each input vector loaded serves both rows.
+# The same bits (each output is one `_dot` of its row and input). Zen 4 VM, 2 threads, fresh rows from DRAM
+# (kernels/lab/fp4_row_pairs.py): 1.05-1.11x at 3-4 inputs, 1.3-2x at 5-8; 0.93 at 1 input, so not there.
+PAIRS = ROWS_FIRST[MODE] >= 2 if MODE else False
 
 
 def l1_input_bytes() -> int:
@@ -255,6 +260,30 @@ def _deq_scalar(codes, c_off, scales, s_off, stab, ng, out, o_off):
             out[o_off + g * 32 + 2 * j + 1] = E2M1_F32[b >> 4] * sc
 
 
+@njit(nogil=True, cache=CACHE, inline="always")
+def _chunk(cf, sf, qf, cxf, rf, e, N, K, r0, r1, j0, j1, of, streams, inputs):
+    """Rows r0..r1-1 of expert e against inputs j0..j1-1 in the row layout `streams` (rows in order, in
+    pairs where the path decodes two rows before loading the inputs and there are 2 inputs or more,
+    `PAIRS`; or 4 rows a quarter-chunk apart), up to `inputs` inputs a row decode."""
+    c_row, s_row = K // 2, K // 32
+    if streams != 1:
+        q = (r1 - r0) // 4                                 # N is a multiple of 32: whole 4-row blocks
+        for r in range(r0, r0 + q):                        # rows r, r+q, r+2q, r+3q: 4 DRAM streams
+            _rows(4, 4, cf, (e * N + r) * c_row, q * c_row, sf, (e * N + r) * s_row, q * s_row, qf, cxf, rf, j0, j1, K, of, r, N, q)
+    elif PAIRS and j1 - j0 > 1 and inputs == 8:
+        for r in range(r0, r1, 2):
+            _rows(2, 8, cf, (e * N + r) * c_row, c_row, sf, (e * N + r) * s_row, s_row, qf, cxf, rf, j0, j1, K, of, r, N, 1)
+    elif PAIRS and j1 - j0 > 1:
+        for r in range(r0, r1, 2):
+            _rows(2, 4, cf, (e * N + r) * c_row, c_row, sf, (e * N + r) * s_row, s_row, qf, cxf, rf, j0, j1, K, of, r, N, 1)
+    elif inputs == 8:
+        for r in range(r0, r1):
+            _rows(1, 8, cf, (e * N + r) * c_row, 0, sf, (e * N + r) * s_row, 0, qf, cxf, rf, j0, j1, K, of, r, N, 0)
+    else:
+        for r in range(r0, r1):
+            _rows(1, 4, cf, (e * N + r) * c_row, 0, sf, (e * N + r) * s_row, 0, qf, cxf, rf, j0, j1, K, of, r, N, 0)
+
+
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _matvecs(codes, scales, experts, off, xq, xc, xr, out, streams, inputs):
     """out[a, r] = W_{experts[s]}[r] . x(a) for assignments a of slot s (off[s] <= a < off[s+1]);
@@ -266,7 +295,6 @@ def _matvecs(codes, scales, experts, off, xq, xc, xr, out, streams, inputs):
     S = len(experts)
     N = out.shape[1]
     K = xq.shape[1]
-    c_row, s_row = K // 2, K // 32
     qf, cxf, rf = xq.reshape(-1), xc.reshape(-1), xr.reshape(-1)
     of = out.reshape(-1)
     cf = codes.reshape(-1)
@@ -276,18 +304,7 @@ def _matvecs(codes, scales, experts, off, xq, xc, xr, out, streams, inputs):
         s = c // per
         r0 = (c % per) * ROWS_PER_CHUNK
         r1 = min(r0 + ROWS_PER_CHUNK, N)
-        e = experts[s]
-        if streams == 1 and inputs == 8:
-            for r in range(r0, r1):
-                _rows(1, 8, cf, (e * N + r) * c_row, 0, sf, (e * N + r) * s_row, 0, qf, cxf, rf, off[s], off[s + 1], K, of, r, N, 0)
-        elif streams == 1:
-            for r in range(r0, r1):
-                _rows(1, 4, cf, (e * N + r) * c_row, 0, sf, (e * N + r) * s_row, 0, qf, cxf, rf, off[s], off[s + 1], K, of, r, N, 0)
-        else:
-            q = (r1 - r0) // 4                             # N is a multiple of 32: whole 4-row blocks
-            for r in range(r0, r0 + q):                    # rows r, r+q, r+2q, r+3q: 4 DRAM streams
-                _rows(4, 4, cf, (e * N + r) * c_row, q * c_row, sf, (e * N + r) * s_row, q * s_row, qf, cxf, rf, off[s], off[s + 1],
-                      K, of, r, N, q)
+        _chunk(cf, sf, qf, cxf, rf, experts[s], N, K, r0, r1, off[s], off[s + 1], of, streams, inputs)
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
@@ -303,7 +320,6 @@ def _matvecs_wide(codes, scales, experts, off, xq, xc, xr, out, streams, inputs,
     S = len(experts)
     N = out.shape[1]
     K = xq.shape[1]
-    c_row, s_row = K // 2, K // 32
     qf, cxf, rf = xq.reshape(-1), xc.reshape(-1), xr.reshape(-1)
     of = out.reshape(-1)
     cf = codes.reshape(-1)
@@ -318,18 +334,7 @@ def _matvecs_wide(codes, scales, experts, off, xq, xc, xr, out, streams, inputs,
         if B * K > l1_inputs:
             B = inputs if streams == 1 and inputs * K <= l1_inputs else 4
         for j0 in range(off[s], off[s + 1], B):
-            j1 = min(j0 + B, off[s + 1])
-            if streams == 1 and inputs == 8:
-                for r in range(r0, r1):
-                    _rows(1, 8, cf, (e * N + r) * c_row, 0, sf, (e * N + r) * s_row, 0, qf, cxf, rf, j0, j1, K, of, r, N, 0)
-            elif streams == 1:
-                for r in range(r0, r1):
-                    _rows(1, 4, cf, (e * N + r) * c_row, 0, sf, (e * N + r) * s_row, 0, qf, cxf, rf, j0, j1, K, of, r, N, 0)
-            else:
-                q = (r1 - r0) // 4
-                for r in range(r0, r0 + q):
-                    _rows(4, 4, cf, (e * N + r) * c_row, q * c_row, sf, (e * N + r) * s_row, q * s_row, qf, cxf, rf, j0, j1,
-                          K, of, r, N, q)
+            _chunk(cf, sf, qf, cxf, rf, e, N, K, r0, r1, j0, min(j0 + B, off[s + 1]), of, streams, inputs)
 
 
 @njit(nogil=True, cache=CACHE)

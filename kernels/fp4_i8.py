@@ -23,6 +23,15 @@ repeated 4 times the code byte itself indexes its low nibble, and the byte shift
 its 16-bit word its high nibble (bits 4-5 then hold the next byte's low bits: ignored). The same bytes,
 so the same bits as mode 3 (tested); one op fewer per vector: +3% in L2 and +4-7% from DRAM on the
 AMX Xeon VM (kernels/lab/fp4_vpermb.py).
+Order within a superblock: where a call's R rows fit half the vector registers decoded (`ROWS_FIRST`:
+2 rows with AVX-512, 1 with AVX2) every row is decoded first, then each input's vectors are loaded and
+used by all R rows, so a pair of rows loads each input vector once; with more rows every input's vectors
+come first, then row by row. The order changes no sum. Zen 4 VM (kernels/lab/fp4_row_pairs.py): rows
+first 1.03-1.07x in L2 at 1-4 inputs on AVX-512 and 1.04-1.16x with AVX2's 16 registers (code built for
+Zen 2); two rows first on AVX-512 1.3-2x from DRAM at 5-8 inputs, where the one-row order's inputs no
+longer fit L1 with the rows passing. Decoded rows that would take every register spill: AVX2 with 2
+rows first read 0.47-0.89x of one row, 4 rows first 0.85-0.92x of 4 rows after the inputs (AVX-512's 4
+rows: within 5% either way), so more rows keep the inputs-first order.
 The rest of a row (its length modulo a superblock) goes in vector steps, then 16-byte SSE steps, with
 one accumulator lane per 4 code bytes (the layout below, "lanes").
 
@@ -64,6 +73,9 @@ STEP = {1: 32, 2: 64, 3: 64, 4: 64, 5: 32}            # bytes per vector
 MODES = {1: "AVX2", 2: "AVX-512BW", 3: "AVX-512 VNNI", 4: "AVX-512 VNNI + VBMI", 5: "AVX2 + AVX-VNNI"}
 VNNI_MODES, VBMI_MODES = (3, 4, 5), (4,)              # their main vectors sum with vpdpbusd / decode with vpermb
 SUPER = 4                                             # vectors per superblock
+# The most rows a call decodes before it loads its inputs (`fp4_i8_dot`'s superblock order): decoded rows
+# (8 vectors each) in at most half the vector registers, 2 rows of AVX-512's 32, 1 of AVX2's 16.
+ROWS_FIRST = {1: 1, 2: 2, 3: 2, 4: 2, 5: 1}
 
 i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 
@@ -239,21 +251,37 @@ def fp4_i8_dot(typingctx, R_t, T_t, mode_t, codes, c_off, c_stride, scales, s_of
             def body(i, accs):
                 p = builder.mul(i, c64(sbb))
                 e = builder.mul(i, c64(st.n))                            # st.n blocks per superblock
-                qs = [[(st.load(qbase, builder.add(toks_q[j], builder.add(p, c64(k * step))), st.vb),
-                        st.load(qbase, builder.add(builder.add(toks_q[j], half), builder.add(p, c64(k * step))), st.vb))
-                       for k in range(SUPER)] for j in range(T)]
-                for r in range(R):
+
+                def inputs(j):
+                    return [(st.load(qbase, builder.add(toks_q[j], builder.add(p, c64(k * step))), st.vb),
+                             st.load(qbase, builder.add(builder.add(toks_q[j], half), builder.add(p, c64(k * step))), st.vb))
+                            for k in range(SUPER)]
+
+                def row(r):
                     cp = builder.add(rows_c[r], p)
                     for k in range(0, sbb, 64):
                         fetch_ahead(builder.add(cp, c64(k)))
                     vs = st.transpose([st.load(cbase, builder.add(cp, c64(k * step)), st.vb) for k in range(SUPER)])
-                    lohi = [st.decode(v) for v in vs]
-                    ws = st.scale(sbase, builder.add(rows_s[r], e), order)
+                    return [st.decode(v) for v in vs], st.scale(sbase, builder.add(rows_s[r], e), order)
+
+                def dot(r, j, lohi, ws, qs):
+                    k = builder.add(toks_k[j], e)
+                    f = builder.sitofp(st.dot(st.load(cxbase, k, st.vi, 4), lohi, qs), st.vf)
+                    xs = st.load(rbase, k, st.vf, 4)
+                    builder.store(builder.call(st.fma, [f, builder.fmul(ws, xs), builder.load(accs[r][j])]), accs[r][j])
+
+                if R <= ROWS_FIRST[mode]:                     # every row decoded, then each input's loads, used by all
+                    rs = [row(r) for r in range(R)]
                     for j in range(T):
-                        k = builder.add(toks_k[j], e)
-                        f = builder.sitofp(st.dot(st.load(cxbase, k, st.vi, 4), lohi, qs[j]), st.vf)
-                        xs = st.load(rbase, k, st.vf, 4)
-                        builder.store(builder.call(st.fma, [f, builder.fmul(ws, xs), builder.load(accs[r][j])]), accs[r][j])
+                        qs = inputs(j)
+                        for r in range(R):
+                            dot(r, j, *rs[r], qs)
+                else:                                         # every input's loads, then row by row (fewer registers)
+                    qs = [inputs(j) for j in range(T)]
+                    for r in range(R):
+                        lohi, ws = row(r)
+                        for j in range(T):
+                            dot(r, j, lohi, ws, qs[j])
             with cgutils.for_range(builder, n_super) as loop:
                 body(loop.index, accs)
 

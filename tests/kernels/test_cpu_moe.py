@@ -310,3 +310,43 @@ def test_a_path_that_computes_the_same_integers_gives_the_same_bits(path, mode, 
         assert np.isnan(outs[0][:, 5]).all() and np.isfinite(np.delete(outs[0], 5, axis=1)).all(), K
         assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), K
         assert np.array_equal(outs[0][3].view(np.uint32), outs[0][1].view(np.uint32)), K   # alone: the bits it gets beside others
+
+
+def _rows_gemv(mode, R, T):
+    """Every row of codes [N, K/2] through fp4_i8_dot on path `mode`, R adjacent rows x T inputs a call -> out [T, N]."""
+    from kernels.fp4_i8 import fp4_i8_dot
+
+    @numba.njit
+    def f(codes, scales, xq, xc, xr, K, out):
+        N = codes.shape[0]
+        for r in range(0, N, R):
+            fp4_i8_dot(R, T, mode, codes, r * (K // 2), K // 2, scales, r * (K // 32), K // 32, xq, xc, xr, 0, K, out, r, N, 1)
+    return f
+
+
+@pytest.mark.parametrize("path, mode", [("avx2", 1), ("avx512vnni", 3)])
+def test_rows_a_call_and_the_order_they_take_change_no_bit(path, mode):
+    """A call of R rows decodes them before loading its inputs where they fit half the registers
+    (ROWS_FIRST: 2 rows with 64-byte vectors, 1 with 32-byte ones), else loads the inputs first; the
+    cpu_moe kernel takes rows in pairs on 64-byte paths (PAIRS). Neither the rows a call nor the order
+    may move a bit: 1, 2 and 4 rows a call (both orders on either width) x 3 inputs, fresh random rows of
+    superblocks, vector steps and 16-byte steps (K = 5120, 1056), against 1 row a call."""
+    from hostinfo import runnable_isas
+    if path not in runnable_isas():
+        pytest.skip(f"this CPU cannot run the {path} path")
+    from kernels import cpu_moe
+    from kernels.cpu_moe import _prepare, random_bytes
+    from kernels.fp4_i8 import ROWS_FIRST, STEP, superblock_bytes
+    assert {R <= ROWS_FIRST[mode] for R in (1, 2, 4)} == {True, False}
+    assert cpu_moe.PAIRS == (cpu_moe.MODE > 0 and ROWS_FIRST[cpu_moe.MODE] >= 2) and (STEP[mode] == 64) == (ROWS_FIRST[mode] == 2)
+    fs = {R: _rows_gemv(mode, R, 3) for R in (1, 2, 4)}
+    rng = np.random.default_rng()
+    for K in (5120, 1056):
+        codes = random_bytes(rng, (8, K // 2))
+        scales = rng.integers(110, 140, (8, K // 32), dtype=np.uint8)
+        xq, xc, xr = (a.reshape(-1) for a in _prepare(rng.standard_normal((3, K)).astype(np.float32), np.arange(3), superblock_bytes(mode)))
+        outs = {R: np.full((3, 8), np.nan, np.float32) for R in fs}
+        for R, f in fs.items():
+            f(codes, scales, xq, xc, xr, K, outs[R].reshape(-1))
+        assert np.isfinite(outs[1]).all(), K
+        assert all(np.array_equal(outs[1].view(np.uint32), o.view(np.uint32)) for o in outs.values()), K
