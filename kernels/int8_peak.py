@@ -25,6 +25,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from hostinfo.measure import Measurement, measure
+from kernels.arrays import aligned_empty
 from kernels.fp4_i8 import STEP, SUPER, _Step, mode_error
 from kernels.fp4_simd import _data_ptrs, _literal
 from kernels.threads import set_threads
@@ -95,10 +96,13 @@ def runner(mode: int):
 
 
 def buffers(mode: int, threads: int, seed: int = 0):
-    """Per thread: code bytes in the kernel's range (2 E2M1 + 12, 0..24) and int8 inputs in [-127, 127]."""
+    """Per thread: code bytes in the kernel's range (2 E2M1 + 12, 0..24) and int8 inputs in [-127, 127], each
+    thread's on a cache line boundary (`aligned_empty`; slots are whole vectors, so every load is aligned)."""
     nc, nq = buffer_bytes(mode)
     rng = np.random.default_rng(seed)
-    return (rng.integers(0, 25, (threads, nc), dtype=np.uint8), rng.integers(-127, 128, (threads, nq), dtype=np.int8))
+    codes, q = aligned_empty((threads, nc), np.uint8), aligned_empty((threads, nq), np.int8)
+    codes[...], q[...] = rng.integers(0, 25, codes.shape), rng.integers(-127, 128, q.shape)
+    return codes, q
 
 
 def reference(mode: int, iters: int, codes: np.ndarray, q: np.ndarray) -> np.ndarray:
