@@ -1,15 +1,18 @@
-"""Lab: several adjacent rows per call of the CPU-MoE GEMV, so each input vector loaded serves R rows.
+"""Lab: the rows a CPU-MoE GEMV call decodes and the order it loads rows and inputs in.
 
-  python -m kernels.lab.fp4_row_pairs [--threads N] [--rounds 6] [--inputs 2 4 8] [--rows 1 2 4]
+  python -m kernels.lab.fp4_row_pairs [--threads N] [--rounds 6] [--inputs 2 4 8] [--rows 1i 1 2 4]
 
 At verify widths (a slot meets 2-8 inputs) the kernel is bound by its operations per product, not by
 DRAM: per input and superblock it loads 8 input vectors for 8 `vpdpbusd` (kernels/fp4_i8.py), and a
-core loads one 64-byte vector a cycle on Zen 4, so the loads alone match the products' port. With R
-rows a call (`fp4_i8_dot(R, T, ...)`, adjacent rows: one DRAM stream) each input vector loaded serves
-R rows. Every output is the same `_dot` of its row and input whatever R is: the bits must not move
-(checked first). Rows in order, 5120-wide rows (V4.1 gate / up), T inputs, in L2 and from DRAM
-(384 rows, 1 MB, over and over; fresh rows from a bank of 4608 x 300), all variants in every round, order reversed every other round,
-the stream read once per round. Prints weight GB/s, GMAC/s and the per-round ratio to R = 1.
+Zen 4 core loads one 64-byte vector a cycle. With R adjacent rows a call (`fp4_i8_dot(R, T, ...)`, one
+DRAM stream) and the rows decoded first, each input vector loaded serves R rows; decoded rows take 8
+vector registers each. Variants: "R" in the package's order for R rows (`ROWS_FIRST`), "Rf" rows
+first, "Ri" inputs first. Every output is the same `_dot` of its row and input in every variant: the
+bits must not move (checked first). Rows in order, 5120-wide rows (V4.1 gate / up), T inputs, in L2
+(384 rows, 1 MB, over and over) and from DRAM (fresh rows from a bank of 4608 x 300), all variants in
+every round, the order reversed every other round, the stream read once per round. Prints weight GB/s,
+GMAC/s and the per-round ratio to the first variant. In the package since: rows first where they fit
+half the registers, rows in pairs on 64-byte paths (kernels/cpu_moe.py PAIRS; kernels/lab/README.md).
 """
 from __future__ import annotations
 
