@@ -32,25 +32,25 @@ from kernels.stream import dram_stream_read
 L2_ROWS = 384                                 # 1 MB of rows: half an L2 of 1 MiB a core on 2 threads, 6 chunks
 
 
-def gemv(R, T, mode=MODE):
-    """A fresh GEMV: rows row0..row0+n-1, R adjacent rows a call against T inputs; out [T, n]."""
+def gemv(R, T, mode=MODE, K=H):
+    """A fresh GEMV: rows row0..row0+n-1 of K weights, R adjacent rows a call against T inputs; out [T, n]."""
     @njit(parallel=True, nogil=True)
     def f(w, s, x, out, row0, n):
         xq, xc, xr = x
         for c in prange(n // ROWS_PER_CHUNK):
             for i in range(0, ROWS_PER_CHUNK, R):
                 r = row0 + c * ROWS_PER_CHUNK + i
-                fp4_i8_dot(R, T, mode, w, r * (H // 2), H // 2, s, r * (H // 32), H // 32, xq, xc, xr, 0, H,
+                fp4_i8_dot(R, T, mode, w, r * (K // 2), K // 2, s, r * (K // 32), K // 32, xq, xc, xr, 0, K,
                            out, r - row0, n, 1)
     return f
 
 
-def compiled(variant, T, args):
+def compiled(variant, T, K, args):
     """variant "R" (R rows a call in the package's order for R, kernels/fp4_i8.py ROWS_FIRST), "Rf" (every
     row decoded first, then each input's vectors, used by all R rows) or "Ri" (every input's vectors
     first, then row by row) -> its GEMV, compiled by a call on `args`."""
     R, order = int(variant.rstrip("fi")), variant[-1]
-    f, before = gemv(R, T), dict(fi.ROWS_FIRST)
+    f, before = gemv(R, T, K=K), dict(fi.ROWS_FIRST)
     if order in "fi":
         fi.ROWS_FIRST[MODE] = R if order == "f" else R - 1
     try:
@@ -64,6 +64,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=usable_cores())
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--k", type=int, default=H, help="weights a row (5120: V4.1 gate / up; 2304: its down rows)")
     ap.add_argument("--inputs", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--rows", nargs="+", default=["1i", "1", "2", "4"],
                     help="R rows a call in the package's order, Rf every row decoded before the inputs' loads, "
@@ -74,23 +75,27 @@ def main(argv=None):
     if any(not v.rstrip("fi").isdigit() or ROWS_PER_CHUNK % int(v.rstrip("fi")) for v in args.rows):
         raise SystemExit(f"--rows: each must be R, Rf or Ri with R dividing {ROWS_PER_CHUNK}, got {args.rows}")
     rng = np.random.default_rng(0)
-    w = random_bytes(rng, (STEPS * ROWS, H // 2)).reshape(-1)
-    s = rng.integers(118, 130, (STEPS * ROWS, H // 32), dtype=np.uint8).reshape(-1)
+    K = args.k
+    if K % 32:
+        raise SystemExit(f"--k: weights a row must be a multiple of 32, got {K}")
+    w = random_bytes(rng, (STEPS * ROWS, K // 2)).reshape(-1)
+    s = rng.integers(118, 130, (STEPS * ROWS, K // 32), dtype=np.uint8).reshape(-1)
+    per = (K // 2 + K // 32) / ROW_BYTES                          # `rate` counts 5120-wide rows' bytes
     for T in args.inputs:
-        x = tuple(a.reshape(-1) for a in _prepare(rng.standard_normal((T, H)).astype(np.float32), np.arange(T)))
+        x = tuple(a.reshape(-1) for a in _prepare(rng.standard_normal((T, K)).astype(np.float32), np.arange(T)))
         outs = {R: np.empty(T * ROWS, np.float32) for R in args.rows}
-        fs = {R: compiled(R, T, (w, s, x, outs[R], 5 * ROWS, ROWS)) for R in args.rows}
+        fs = {R: compiled(R, T, K, (w, s, x, outs[R], 5 * ROWS, ROWS)) for R in args.rows}
         base = args.rows[0]
         same = all(np.array_equal(outs[R].view(np.uint32), outs[base].view(np.uint32)) for R in args.rows)
-        print(f"{T} inputs: every variant gives the same bits: {same}")
+        print(f"{T} inputs, {K}-wide rows: every variant gives the same bits: {same}")
         got = {R: {"l2": [], "dram": []} for R in args.rows}
         streams = []
         for rnd in range(args.rounds):
             for R in (args.rows if rnd % 2 == 0 else args.rows[::-1]):
-                got[R]["l2"].append(rate(fs[R], w, s, x, outs[R], args.threads, L2_ROWS, 400, 1))
-                got[R]["dram"].append(rate(fs[R], w, s, x, outs[R], args.threads, ROWS, 60, STEPS))
+                got[R]["l2"].append(per * rate(fs[R], w, s, x, outs[R], args.threads, L2_ROWS, 400, 1))
+                got[R]["dram"].append(per * rate(fs[R], w, s, x, outs[R], args.threads, ROWS, 60, STEPS))
             streams.append(dram_stream_read(args.threads, repeats=3).median)
-        mac = H * T / ROW_BYTES                                   # GMAC/s per GB/s of weights
+        mac = K * T / (K // 2 + K // 32)                                  # GMAC/s per GB/s of weights
         print(f"  {args.threads} threads, {args.rounds} rounds; stream {np.median(streams):.1f} GB/s "
               f"({min(streams):.1f}-{max(streams):.1f})")
         print(f"  {'R':>3} {'L2 GB/s':>8} {'GMAC/s':>7} {'DRAM GB/s':>10} {'/stream':>8}   per-round ratio to the first: L2 / DRAM")
