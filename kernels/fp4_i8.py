@@ -31,7 +31,9 @@ first 1.03-1.07x in L2 at 1-4 inputs on AVX-512 and 1.04-1.16x with AVX2's 16 re
 Zen 2); two rows first on AVX-512 1.3-2x from DRAM at 5-8 inputs, where the one-row order's inputs no
 longer fit L1 with the rows passing. Decoded rows that would take every register spill: AVX2 with 2
 rows first read 0.47-0.89x of one row, 4 rows first 0.85-0.92x of 4 rows after the inputs (AVX-512's 4
-rows: within 5% either way), so more rows keep the inputs-first order.
+rows: within 5% either way), so more rows keep the inputs-first order. The vector steps after the
+superblocks always take their rows first (3 vectors a row, 4 an input): V4.1's down rows (2304 weights:
+4 superblocks and 2 vector steps) 1.10-1.13x in L2 at 4 inputs, 1.01-1.05x at 1, 2 and 8.
 The rest of a row (its length modulo a superblock) goes in vector steps, then 16-byte SSE steps, with
 one accumulator lane per 4 code bytes (the layout below, "lanes").
 
@@ -290,19 +292,18 @@ def fp4_i8_dot(typingctx, R_t, T_t, mode_t, codes, c_off, c_stride, scales, s_of
             def body(i, accs):
                 p = builder.add(start, builder.mul(i, c64(st.nb)))
                 e = builder.add(e0, builder.udiv(builder.sub(p, p0), c64(4)))
-                ins = []
-                for j in range(T):
-                    qe = st.load(qbase, builder.add(toks_q[j], p), st.vb)
-                    qo = st.load(qbase, builder.add(builder.add(toks_q[j], half), p), st.vb)
-                    k = builder.add(toks_k[j], e)
-                    ins.append(((qe, qo), st.load(cxbase, k, st.vi, 4), st.load(rbase, k, st.vf, 4)))
+                rows = []                                 # rows first: 3 vectors a row, 4 an input
                 for r in range(R):
                     cp = builder.add(rows_c[r], p)
                     if st.nb > 16:
                         fetch_ahead(cp)
                     lohi = st.decode(st.load(cbase, cp, st.vb))
-                    ws = st.scale(sbase, builder.add(rows_s[r], builder.udiv(p, c64(16))), [L // 4 for L in range(st.n)])
-                    for j, (q, corr, xs) in enumerate(ins):
+                    rows.append((lohi, st.scale(sbase, builder.add(rows_s[r], builder.udiv(p, c64(16))), [L // 4 for L in range(st.n)])))
+                for j in range(T):
+                    q = (st.load(qbase, builder.add(toks_q[j], p), st.vb), st.load(qbase, builder.add(builder.add(toks_q[j], half), p), st.vb))
+                    k = builder.add(toks_k[j], e)
+                    corr, xs = st.load(cxbase, k, st.vi, 4), st.load(rbase, k, st.vf, 4)
+                    for r, (lohi, ws) in enumerate(rows):
                         f = builder.sitofp(st.dot(corr, [lohi], [q]), st.vf)
                         builder.store(builder.call(st.fma, [f, builder.fmul(ws, xs), builder.load(accs[r][j])]), accs[r][j])
             with cgutils.for_range(builder, count) as loop:
