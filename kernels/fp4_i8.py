@@ -297,10 +297,11 @@ def fp4_i8_dot(typingctx, R_t, T_t, mode_t, codes, c_off, c_stride, scales, s_of
                     cp = builder.add(rows_c[r], p)
                     if st.nb > 16:
                         fetch_ahead(cp)
-                    lohi = st.decode(st.load(cbase, cp, st.vb))
-                    rows.append((lohi, st.scale(sbase, builder.add(rows_s[r], builder.udiv(p, c64(16))), [L // 4 for L in range(st.n)])))
+                    ws = st.scale(sbase, builder.add(rows_s[r], builder.udiv(p, c64(16))), [L // 4 for L in range(st.n)])
+                    rows.append((st.decode(st.load(cbase, cp, st.vb)), ws))
                 for j in range(T):
-                    q = (st.load(qbase, builder.add(toks_q[j], p), st.vb), st.load(qbase, builder.add(builder.add(toks_q[j], half), p), st.vb))
+                    q = (st.load(qbase, builder.add(toks_q[j], p), st.vb),
+                         st.load(qbase, builder.add(builder.add(toks_q[j], half), p), st.vb))
                     k = builder.add(toks_k[j], e)
                     corr, xs = st.load(cxbase, k, st.vi, 4), st.load(rbase, k, st.vf, 4)
                     for r, (lohi, ws) in enumerate(rows):
