@@ -23,7 +23,7 @@ from numba import njit, prange
 
 from hostinfo import usable_cores
 from kernels.cpu_moe import MODE, ROWS_PER_CHUNK, _prepare, random_bytes
-import kernels.fp4_i8 as fi
+from kernels import fp4_i8 as fi
 from kernels.fp4_i8 import fp4_i8_dot
 from kernels.lab.fp4_ceiling import ROW_BYTES, ROWS, STEPS, rate
 from kernels.lab.weight_prefetch import H
@@ -83,25 +83,25 @@ def main(argv=None):
     per = (K // 2 + K // 32) / ROW_BYTES                          # `rate` counts 5120-wide rows' bytes
     for T in args.inputs:
         x = tuple(a.reshape(-1) for a in _prepare(rng.standard_normal((T, K)).astype(np.float32), np.arange(T)))
-        outs = {R: np.empty(T * ROWS, np.float32) for R in args.rows}
-        fs = {R: compiled(R, T, K, (w, s, x, outs[R], 5 * ROWS, ROWS)) for R in args.rows}
+        outs = {v: np.empty(T * ROWS, np.float32) for v in args.rows}
+        fs = {v: compiled(v, T, K, (w, s, x, outs[v], 5 * ROWS, ROWS)) for v in args.rows}
         base = args.rows[0]
-        same = all(np.array_equal(outs[R].view(np.uint32), outs[base].view(np.uint32)) for R in args.rows)
+        same = all(np.array_equal(outs[v].view(np.uint32), outs[base].view(np.uint32)) for v in args.rows)
         print(f"{T} inputs, {K}-wide rows: every variant gives the same bits: {same}")
-        got = {R: {"l2": [], "dram": []} for R in args.rows}
+        got = {v: {"l2": [], "dram": []} for v in args.rows}
         streams = []
         for rnd in range(args.rounds):
-            for R in (args.rows if rnd % 2 == 0 else args.rows[::-1]):
-                got[R]["l2"].append(per * rate(fs[R], w, s, x, outs[R], args.threads, L2_ROWS, 400, 1))
-                got[R]["dram"].append(per * rate(fs[R], w, s, x, outs[R], args.threads, ROWS, 60, STEPS))
+            for v in (args.rows if rnd % 2 == 0 else args.rows[::-1]):
+                got[v]["l2"].append(per * rate(fs[v], w, s, x, outs[v], args.threads, L2_ROWS, 400, 1))
+                got[v]["dram"].append(per * rate(fs[v], w, s, x, outs[v], args.threads, ROWS, 60, STEPS))
             streams.append(dram_stream_read(args.threads, repeats=3).median)
         mac = K * T / (K // 2 + K // 32)                                  # GMAC/s per GB/s of weights
         print(f"  {args.threads} threads, {args.rounds} rounds; stream {np.median(streams):.1f} GB/s "
               f"({min(streams):.1f}-{max(streams):.1f})")
         print(f"  {'R':>3} {'L2 GB/s':>8} {'GMAC/s':>7} {'DRAM GB/s':>10} {'/stream':>8}   per-round ratio to the first: L2 / DRAM")
-        for R, g in got.items():
+        for v, g in got.items():
             rs = {k: [a / b for a, b in zip(g[k], got[base][k])] for k in g}
-            print(f"  {R:>3} {np.median(g['l2']):>8.1f} {np.median(g['l2']) * mac:>7.0f} {np.median(g['dram']):>10.1f} "
+            print(f"  {v:>3} {np.median(g['l2']):>8.1f} {np.median(g['l2']) * mac:>7.0f} {np.median(g['dram']):>10.1f} "
                   f"{np.median([a / b for a, b in zip(g['dram'], streams)]):>8.2f}   "
                   + " / ".join(f"{np.median(v):.3f} ({min(v):.2f}-{max(v):.2f})" for v in rs.values()), flush=True)
 
