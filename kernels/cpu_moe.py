@@ -52,7 +52,8 @@ DEFAULT_INPUTS = 4           # where nothing was measured: 8 won on the Emerald 
 # Rows in order go in pairs for a slot of 2 inputs or more where the path decodes 2 rows before loading its
 # inputs (AVX-512's 32 registers; kernels/fp4_i8.py ROWS_FIRST): each input vector loaded serves both rows.
 # The same bits (each output is one `_dot` of its row and input). Zen 4 VM, 2 threads, fresh rows from DRAM
-# (kernels/lab/fp4_row_pairs.py): 1.05-1.11x at 3-4 inputs, 1.3-2x at 5-8; 0.93 at 1 input, so not there.
+# (kernels/lab/fp4_row_pairs.py), of one row with its inputs loaded first: 1.05-1.11x at 3-4 inputs, 1.3-2x
+# at 5-8; 0.93 at 1 input, so not there.
 PAIRS = ROWS_FIRST[MODE] >= 2 if MODE else False
 
 

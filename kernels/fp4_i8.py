@@ -33,7 +33,8 @@ longer fit L1 with the rows passing. Decoded rows that would take every register
 rows first read 0.47-0.89x of one row, 4 rows first 0.85-0.92x of 4 rows after the inputs (AVX-512's 4
 rows: within 5% either way), so more rows keep the inputs-first order. The vector steps after the
 superblocks always take their rows first (3 vectors a row, 4 an input): V4.1's down rows (2304 weights:
-4 superblocks and 2 vector steps) 1.10-1.13x in L2 at 4 inputs, 1.01-1.05x at 1, 2 and 8.
+4 superblocks and 2 vector steps) 1.10-1.13x in L2 at 4 inputs, 0.95-1.22x at 1, 2 and 8 (before and
+after in alternate processes, not interleaved in one).
 The rest of a row (its length modulo a superblock) goes in vector steps, then 16-byte SSE steps, with
 one accumulator lane per 4 code bytes (the layout below, "lanes").
 

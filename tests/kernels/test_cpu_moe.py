@@ -338,7 +338,7 @@ def test_rows_a_call_and_the_order_they_take_change_no_bit(path, mode):
     from kernels.cpu_moe import _prepare, random_bytes
     from kernels.fp4_i8 import ROWS_FIRST, STEP, superblock_bytes
     assert {R <= ROWS_FIRST[mode] for R in (1, 2, 4)} == {True, False}
-    assert cpu_moe.PAIRS == (cpu_moe.MODE > 0 and ROWS_FIRST[cpu_moe.MODE] >= 2) and (STEP[mode] == 64) == (ROWS_FIRST[mode] == 2)
+    assert cpu_moe.PAIRS == (cpu_moe.MODE > 0 and STEP[cpu_moe.MODE] == 64) and (STEP[mode] == 64) == (ROWS_FIRST[mode] == 2)
     fs = {R: _rows_gemv(mode, R, 3) for R in (1, 2, 4)}
     rng = np.random.default_rng()
     for K in (5120, 1056):
