@@ -90,8 +90,13 @@ class Worker:
             self._drop_cancelled(sched)
             if sched.busy:
                 self._step(sched)
-            self.metrics.running.set(len(sched.running))
-            self.metrics.waiting.set(self.q.qsize() + len(sched.waiting))
+            self._gauges(sched)
+
+    def _gauges(self, sched: Scheduler) -> None:
+        """Running and waiting now. Called before a request's end is emitted too, so a client that reads
+        /metrics after its response never sees itself still running."""
+        self.metrics.running.set(len(sched.running))
+        self.metrics.waiting.set(self.q.qsize() + len(sched.waiting))
 
     def _take(self, sched: Scheduler, block: bool) -> bool:
         """Move one queued job into the scheduler. -> False when none was there (or on stop)."""
@@ -116,13 +121,16 @@ class Worker:
         return True
 
     def _drop_cancelled(self, sched: Scheduler) -> None:
-        for rid, job in list(self.active.items()):
-            if job.cancelled.is_set():
-                sched.cancel(job.seq)
-                del self.active[rid]
-                self._account(job)
-                self.metrics.success("stop" if job.stop_hit else "abort")
-                job.emit("cancelled", None, time.perf_counter())
+        gone = [(rid, job) for rid, job in self.active.items() if job.cancelled.is_set()]
+        for _, job in gone:
+            sched.cancel(job.seq)
+        if gone:
+            self._gauges(sched)
+        for rid, job in gone:
+            del self.active[rid]
+            self._account(job)
+            self.metrics.success("stop" if job.stop_hit else "abort")
+            job.emit("cancelled", None, time.perf_counter())
 
     def _step(self, sched: Scheduler) -> None:
         m, cache, engram = self.metrics, getattr(self.engine.experts, "cache", None), self.engine.engram
@@ -132,12 +140,14 @@ class Worker:
         try:
             out = sched.step()
         except Exception as e:                       # a failed step fails the requests in it, never the server
-            for rid, job in list(self.active.items()):
-                if job.seq in sched.running:
-                    sched.cancel(job.seq)
-                    del self.active[rid]
-                    m.error(500)
-                    job.emit("error", f"{type(e).__name__}: {e}", time.perf_counter())
+            failed = [(rid, job) for rid, job in self.active.items() if job.seq in sched.running]
+            for _, job in failed:
+                sched.cancel(job.seq)
+            self._gauges(sched)
+            for rid, job in failed:
+                del self.active[rid]
+                m.error(500)
+                job.emit("error", f"{type(e).__name__}: {e}", time.perf_counter())
             return
         now = time.perf_counter()
         if cache is not None:
@@ -158,6 +168,7 @@ class Worker:
                 m.itl.observe(now - job.last)
             job.last = now
             job.emit("token", tok, now)
+        self._gauges(sched)                            # finished sequences have left sched.running
         for rid, job in list(self.active.items()):
             if job.seq.finished:
                 del self.active[rid]

@@ -261,3 +261,39 @@ def test_concurrent_streams_share_steps_and_each_gets_its_own_output(batching_se
         time.sleep(0.02)
     assert together == alone and peak[0] >= 2
     assert _metric(url, 'dsv41:num_requests_running{model_name="tiny"}') == 0
+
+
+def test_a_request_s_end_is_emitted_after_the_gauges_no_longer_count_it(tiny_dir, monkeypatch):
+    """The worker sets num_requests_running / waiting before it emits a request's end, so a client
+    that reads /metrics after its response never finds itself still running (it raced before)."""
+    import asyncio
+
+    from runtime.serve.metrics import Metrics
+    from runtime.serve.worker import Job, Worker
+    metrics, seen, ended = Metrics({}, "tiny"), [], threading.Event()
+
+    def gauge(name):
+        return metrics.registry.get_sample_value(f"dsv41:{name}", {"model_name": "tiny"})
+
+    def emit(job, kind, value, t):
+        if kind != "token":
+            seen.append((kind, len(job.prompt), gauge("num_requests_running"), gauge("num_requests_waiting")))
+            if len(seen) == 3:
+                ended.set()
+    monkeypatch.setattr(Job, "emit", emit)
+    engine = Engine(Checkpoint(tiny_dir), Plan(max_context=256, max_num_seqs=2))
+    worker = Worker(engine, metrics, max_queue=8)
+    loop = asyncio.new_event_loop()
+    try:
+        jobs = [Job([5] * n, m, 0.0, 0, (), loop) for n, m in ((3, 2), (4, 5), (6, 3))]
+        for j in jobs:
+            worker.submit(j)
+        assert ended.wait(120), f"only {seen} ended"
+    finally:
+        worker.stop()
+        engine.close()
+        loop.close()
+    # each end sees the gauges without itself: the last to end sees nothing running or waiting
+    assert sorted(kind for kind, *_ in seen) == ["done"] * 3
+    assert all(running + waiting <= 2 for _, _, running, waiting in seen)
+    assert seen[-1][2:] == (0.0, 0.0)
