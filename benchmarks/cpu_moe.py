@@ -4,9 +4,10 @@
 
 For each thread count: DRAM stream read (buffer >= 4x LLC) and the kernel at batch 1 (1 token x top-6)
 over a bank >= 4x LLC, fresh experts every step, in each row layout (`streams` 4: four rows a
-quarter-chunk apart per thread; 1: rows in order), all interleaved in rounds; the faster layout is
-the row's figure and the other is kept beside it (the profiler also weighs a verify of 8 tokens:
-autotune/probes/cpu_moe.py `pick_layout`). Every ratio
+quarter-chunk apart per thread; 1: rows in order), each also at a verify of 8 tokens, all interleaved
+in rounds; the layout the profiler would pick from those (autotune/probes/cpu_moe.py `pick_layout`:
+batch 1 and the verify together) is the row's figure and the widths' layout, the other is kept beside
+it. Every ratio
 is the median of per-round ratios, each round's kernel over the stream read in that round
 (hostinfo.measure.paired_ratio: a VM's bandwidth can flip between phases a few seconds long), with
 its spread over the rounds. Geometries: V4.1 (5120x2304,
@@ -16,8 +17,10 @@ as a continuous batch of independent tokens (top-6 of the whole bank), the naive
 float, then matmul) and prefill widths (tokens per expert) for the GEMV kernel and the dense path
 (dequantize a tile + torch bf16 matmul), in GB/s and GFLOP/s (2 * 3 * H * I * tokens per expert).
 Each width is also held against the products' roof: the host's int8 dot-product peak at the kernel's
-instruction mix, measured in the run (kernels/int8_peak.py), times the step's distinct expert bytes
-per product (3 * H * I per assignment): a wide call cannot read faster than min(stream, that roof).
+instruction mix (kernels/int8_peak.py), times the step's distinct expert bytes per product (3 * H * I
+per assignment): a wide call cannot read faster than min(stream, that roof). Both limits are measured
+in every round beside the kernel (a VM's clock moves as its bandwidth does), and the ratio is the
+median of the rounds' kernel / min(stream, roof).
 With rows in order, widths 2-8 and the prefill GEMV run with each choice of inputs per row decode (4
 or 8, kernels/cpu_moe.py ROW_INPUTS; the same bits), interleaved: the faster is the width's figure (as
 the profiler picks it) and the other is printed beside it.
@@ -35,7 +38,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from autotune.probes.cpu_moe import bank_size  # noqa: E402
+from autotune.probes.cpu_moe import VERIFY_TOKENS, bank_size, pick_layout  # noqa: E402
 from hostinfo import llc_bytes, usable_cores  # noqa: E402
 from hostinfo.measure import Measurement, measure, paired_ratio  # noqa: E402
 from kernels.stream import dram_stream_read, stream_buffer  # noqa: E402
@@ -103,6 +106,13 @@ def rounds_of(fns, rounds, steps):
     return out
 
 
+def peak_at(t):
+    """A round's products' peak at t threads (kernels/int8_peak.py): the compute limit of wide calls, taken
+    beside the stream in every round, as a VM's clock moves too (the Zen 4 VM read 183-363 GMAC/s
+    in one hour)."""
+    return lambda n: measure_peak(MODE, t, seconds=0.1, repeats=2)
+
+
 def stream_at(t, buf, note):
     """A round's stream read at t threads over the shared buffer (2 samples of every variant)."""
     return lambda n: dram_stream_read(t, repeats=2, buf=buf, note=note)
@@ -131,14 +141,17 @@ def main(argv=None):
             continue
         bank = bank_for(H, I)
         for t in args.threads:
-            def kern(n, streams, t=t):
+            def kern(n, streams, t=t, **wide):
                 numba.set_num_threads(t)
-                step = decode_step(bank, streams=streams)
+                step = decode_step(bank, streams=streams, **wide)
                 m = measure(step, repeats=n, warmup=2)
                 return gbs(m, step.bytes)
-            S, K4, K1 = rounds_of([stream_at(t, buf, buf_note), lambda n: kern(n, 4), lambda n: kern(n, 1)], rounds, steps)
+            # the profiler's verify for the layout (autotune/probes/cpu_moe.py row_streams): top-6 of 12 experts
+            verify = {s_: dict(T=VERIFY_TOKENS, pool=12, inputs=max(ROW_INPUTS) if s_ == 1 else DEFAULT_INPUTS) for s_ in (4, 1)}
+            S, K4, K1, V4, V1 = rounds_of([stream_at(t, buf, buf_note), lambda n: kern(n, 4), lambda n: kern(n, 1),
+                                           lambda n: kern(n, 4, **verify[4]), lambda n: kern(n, 1, **verify[1])], rounds, steps)
             s, k4, k1 = pooled(S), pooled(K4), pooled(K1)
-            best = 1 if k1.median > k4.median else 4
+            best = pick_layout({4: k4.samples, 1: k1.samples}, {4: pooled(V4).samples, 1: pooled(V1).samples})
             layouts[(name, t)] = best
             (k, K), (other, O) = ((k1, K1), (k4, K4)) if best == 1 else ((k4, K4), (k1, K1))
             ratio, other_ratio = paired_ratio(K, S), paired_ratio(O, S)
@@ -148,7 +161,7 @@ def main(argv=None):
             rows.append(r)
             print(f"{name:9s} batch 1  threads {t}: kernel {r['kernel_gbs']:6.2f} GB/s  stream {r['stream_gbs']:6.2f}"
                   f"  ratio {r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f} over {len(S)} rounds)"
-                  f"  (row streams {best}; the other layout {r['other_layout_ratio']:.2f})", flush=True)
+                  f"  (row streams {best}, picked as the profiler picks; the other layout {r['other_layout_ratio']:.2f})", flush=True)
             if name == "v4.1" and t == max(args.threads):
                 head = r
         if name == "v4.1":
@@ -163,8 +176,10 @@ def main(argv=None):
             for W in (2, 4, 6, 8):                            # DSpark verify / continuous batching widths
                 for pool, what in ((10, "verify: experts from a pool of 10"), (bank.n_experts, "batch: independent tokens")):
                     vers = {n: decode_step(bank, T=W, pool=pool, streams=lay, inputs=n) for n in choices}
-                    S, *M = rounds_of([stream_at(t, buf, buf_note)] + [lambda k, v=v: gbs(measure(v, repeats=k, warmup=2), v.bytes) for v in vers.values()],
+                    limits = [stream_at(t, buf, buf_note)] + ([peak_at(t)] if peak else [])
+                    S, *M = rounds_of(limits + [lambda k, v=v: gbs(measure(v, repeats=k, warmup=2), v.bytes) for v in vers.values()],
                                       rounds, max(4, steps // 2))
+                    P, M = (M[0], M[1:]) if peak else (None, M)
                     ms = {n: pooled(m) for n, m in zip(choices, M)}
                     best = max(choices, key=lambda n: ms[n].median)
                     ver, K = vers[best], M[choices.index(best)]
@@ -172,10 +187,11 @@ def main(argv=None):
                             stream_gbs=pooled(S), ratio=paired_ratio(K, S), pool=pool, note=f"{W}-token {what} (GB/s of distinct experts)",
                             **{f"inputs_{n}_gbs": ms[n] for n in choices if n != best})
                     roof = ""
-                    if peak:                                  # GB/s of distinct bytes the products allow
-                        cap = peak.median * ver.bytes / ver.macs / 1e9
-                        lim = [Measurement((min(x.median, cap),), "GB/s") for x in S]
-                        r.update(row(compute_roof_gbs=round(cap, 3), roof_ratio=paired_ratio(K, lim)))
+                    if peak:                                  # GB/s of distinct bytes the products allow, each round's
+                        cap = [p.median * ver.bytes / ver.macs / 1e9 for p in P]
+                        lim = [Measurement((min(x.median, c),), "GB/s") for x, c in zip(S, cap)]
+                        r.update(row(compute_roof_gbs=round(float(np.median(cap)), 3), roof_ratio=paired_ratio(K, lim),
+                                     peak_gmacs=pooled(P).map(lambda v: v / 1e9, "GMAC/s")))
                         roof = f"  (products' roof {r['compute_roof_gbs']:.1f} GB/s; of min(stream, roof) {r['roof_ratio']:.2f})"
                     rows.append(r)
                     others = "".join(f"; {n}: {ms[n].median:.2f} GB/s" for n in choices if n != best)
