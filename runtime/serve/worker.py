@@ -109,12 +109,14 @@ class Worker:
             return False
         if job.cancelled.is_set():
             self.metrics.success("abort")
+            self._gauges(sched)                        # it has left the queue
             job.emit("cancelled", None, time.perf_counter())
             return True
         try:
             job.seq = sched.add(Sequence(job.prompt, job.max_tokens, job.temperature, job.seed, frozenset(job.stop_ids)))
         except ValueError as e:
             self.metrics.error(400)
+            self._gauges(sched)
             job.emit("error", str(e), time.perf_counter())
             return True
         self.active[job.seq.rid] = job

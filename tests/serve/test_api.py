@@ -264,8 +264,9 @@ def test_concurrent_streams_share_steps_and_each_gets_its_own_output(batching_se
 
 
 def test_a_request_s_end_is_emitted_after_the_gauges_no_longer_count_it(tiny_dir, monkeypatch):
-    """The worker sets num_requests_running / waiting before it emits a request's end, so a client
-    that reads /metrics after its response never finds itself still running (it raced before)."""
+    """The worker sets num_requests_running / waiting before it emits a request's end (done, or refused
+    when taken), so a client that reads /metrics after its response never finds itself still counted
+    (it raced before)."""
     import asyncio
 
     from runtime.serve.metrics import Metrics
@@ -277,15 +278,15 @@ def test_a_request_s_end_is_emitted_after_the_gauges_no_longer_count_it(tiny_dir
 
     def emit(job, kind, value, t):
         if kind != "token":
-            seen.append((kind, len(job.prompt), gauge("num_requests_running"), gauge("num_requests_waiting")))
-            if len(seen) == 3:
+            seen.append((kind, gauge("num_requests_running"), gauge("num_requests_waiting")))
+            if len(seen) == 4:
                 ended.set()
     monkeypatch.setattr(Job, "emit", emit)
     engine = Engine(Checkpoint(tiny_dir), Plan(max_context=256, max_num_seqs=2))
     worker = Worker(engine, metrics, max_queue=8)
     loop = asyncio.new_event_loop()
-    try:
-        jobs = [Job([5] * n, m, 0.0, 0, (), loop) for n, m in ((3, 2), (4, 5), (6, 3))]
+    try:                                   # max_tokens 0: refused when the worker takes it
+        jobs = [Job([5] * n, m, 0.0, 0, (), loop) for n, m in ((3, 2), (4, 5), (6, 3), (3, 0))]
         for j in jobs:
             worker.submit(j)
         assert ended.wait(120), f"only {seen} ended"
@@ -293,7 +294,7 @@ def test_a_request_s_end_is_emitted_after_the_gauges_no_longer_count_it(tiny_dir
         worker.stop()
         engine.close()
         loop.close()
-    # each end sees the gauges without itself: the last to end sees nothing running or waiting
-    assert sorted(kind for kind, *_ in seen) == ["done"] * 3
-    assert all(running + waiting <= 2 for _, _, running, waiting in seen)
-    assert seen[-1][2:] == (0.0, 0.0)
+    assert sorted(kind for kind, *_ in seen) == ["done"] * 3 + ["error"]
+    # the k-th end sees at most the 4 - k requests not yet ended: never itself
+    assert all(running + waiting <= 4 - k for k, (_, running, waiting) in enumerate(seen, 1)), seen
+    assert seen[-1][1:] == (0.0, 0.0)
