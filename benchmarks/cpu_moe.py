@@ -169,7 +169,8 @@ def main(argv=None):
             numba.set_num_threads(t)
             peak = measure_peak(MODE, t) if MODE else None     # the products' roof of wide calls (kernels/int8_peak.py)
             print(f"int8 products at the kernel's mix, {t} threads: {peak.median / 1e9:.0f} GMAC/s "
-                  f"(spread {peak.min / 1e9:.0f}-{peak.max / 1e9:.0f})" if peak else
+                  f"(spread {peak.min / 1e9:.0f}-{peak.max / 1e9:.0f}; measured again in every round of the widths, "
+                  f"each width held against its rounds' own)" if peak else
                   "the scalar path has no int8 SIMD products: widths are shown against the stream only", flush=True)
             lay = layouts[(name, t)]
             choices = ROW_INPUTS if lay == 1 else (DEFAULT_INPUTS,)    # inputs per row decode: rows in order only

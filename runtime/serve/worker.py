@@ -93,10 +93,15 @@ class Worker:
             self._gauges(sched)
 
     def _gauges(self, sched: Scheduler) -> None:
-        """Running and waiting now. Called before a request's end is emitted too, so a client that reads
-        /metrics after its response never sees itself still running."""
+        """Requests running and waiting now."""
         self.metrics.running.set(len(sched.running))
         self.metrics.waiting.set(self.q.qsize() + len(sched.waiting))
+
+    def _end(self, sched: Scheduler, job: Job, kind: str, value, t: float | None = None) -> None:
+        """A request's last event ("done", "error", "cancelled"), emitted after the gauges stop counting it:
+        a client that reads /metrics after its response never finds itself still running or waiting."""
+        self._gauges(sched)
+        job.emit(kind, value, time.perf_counter() if t is None else t)
 
     def _take(self, sched: Scheduler, block: bool) -> bool:
         """Move one queued job into the scheduler. -> False when none was there (or on stop)."""
@@ -109,30 +114,25 @@ class Worker:
             return False
         if job.cancelled.is_set():
             self.metrics.success("abort")
-            self._gauges(sched)                        # it has left the queue
-            job.emit("cancelled", None, time.perf_counter())
+            self._end(sched, job, "cancelled", None)
             return True
         try:
             job.seq = sched.add(Sequence(job.prompt, job.max_tokens, job.temperature, job.seed, frozenset(job.stop_ids)))
         except ValueError as e:
             self.metrics.error(400)
-            self._gauges(sched)
-            job.emit("error", str(e), time.perf_counter())
+            self._end(sched, job, "error", str(e))
             return True
         self.active[job.seq.rid] = job
         return True
 
     def _drop_cancelled(self, sched: Scheduler) -> None:
-        gone = [(rid, job) for rid, job in self.active.items() if job.cancelled.is_set()]
-        for _, job in gone:
-            sched.cancel(job.seq)
-        if gone:
-            self._gauges(sched)
-        for rid, job in gone:
-            del self.active[rid]
-            self._account(job)
-            self.metrics.success("stop" if job.stop_hit else "abort")
-            job.emit("cancelled", None, time.perf_counter())
+        for rid, job in list(self.active.items()):
+            if job.cancelled.is_set():
+                sched.cancel(job.seq)
+                del self.active[rid]
+                self._account(job)
+                self.metrics.success("stop" if job.stop_hit else "abort")
+                self._end(sched, job, "cancelled", None)
 
     def _step(self, sched: Scheduler) -> None:
         m, cache, engram = self.metrics, getattr(self.engine.experts, "cache", None), self.engine.engram
@@ -142,14 +142,12 @@ class Worker:
         try:
             out = sched.step()
         except Exception as e:                       # a failed step fails the requests in it, never the server
-            failed = [(rid, job) for rid, job in self.active.items() if job.seq in sched.running]
-            for _, job in failed:
-                sched.cancel(job.seq)
-            self._gauges(sched)
-            for rid, job in failed:
-                del self.active[rid]
-                m.error(500)
-                job.emit("error", f"{type(e).__name__}: {e}", time.perf_counter())
+            for rid, job in list(self.active.items()):
+                if job.seq in sched.running:
+                    sched.cancel(job.seq)
+                    del self.active[rid]
+                    m.error(500)
+                    self._end(sched, job, "error", f"{type(e).__name__}: {e}")
             return
         now = time.perf_counter()
         if cache is not None:
@@ -170,14 +168,13 @@ class Worker:
                 m.itl.observe(now - job.last)
             job.last = now
             job.emit("token", tok, now)
-        self._gauges(sched)                            # finished sequences have left sched.running
         for rid, job in list(self.active.items()):
             if job.seq.finished:
                 del self.active[rid]
                 self._account(job)
                 seq = job.seq
                 m.success("stop" if seq.tokens and seq.tokens[-1] in seq.stop_ids else "length")
-                job.emit("done", SimpleNamespace(tokens=list(seq.tokens)), now)
+                self._end(sched, job, "done", SimpleNamespace(tokens=list(seq.tokens)), now)
 
     def _account(self, job: Job) -> None:
         m = self.metrics
