@@ -33,6 +33,11 @@ from kernels.lab.fp4_row_pairs import compiled
 MCA = ("llvm-mca-19", "llvm-mca-18", "llvm-mca-17", "llvm-mca")
 
 
+def mnemonic(tokens: list[str]) -> str:
+    """An instruction's mnemonic without an encoding prefix (AVX-VNNI's `{vex} vpdpbusd`)."""
+    return next(t for t in tokens if not t.startswith("{"))
+
+
 def hot_loop(asm: str, product: str) -> list[str]:
     """The instructions of the loop (label .. its backward branch) holding the most `product` instructions."""
     lines = asm.splitlines()
@@ -42,7 +47,7 @@ def hot_loop(asm: str, product: str) -> list[str]:
         m = re.match(r"^\s+j\w+\s+(\.LBB\S+)", ln)
         if m and labels.get(m.group(1), i) < i:
             body = [b for b in lines[labels[m.group(1)] + 1:i + 1] if b.strip() and not b.strip().startswith((".", "#"))]
-            n = sum(b.split()[0] == product for b in body)
+            n = sum(mnemonic(b.split()) == product for b in body)
             best = max(best, (n, body), key=lambda t: t[0])
     if not best[0]:
         raise SystemExit(f"no loop with {product} in the compiled kernel")
@@ -69,7 +74,7 @@ def pressure(report: str) -> tuple[dict[str, float], dict[str, dict[str, float]]
             break
         for c, v in zip(cols, parts[:len(cols)]):
             if v != "-":
-                by_ins[parts[len(cols)]][names[c]] += float(v) / units[names[c]]
+                by_ins[mnemonic(parts[len(cols):])][names[c]] += float(v) / units[names[c]]
     rt = float(re.search(r"Block RThroughput:\s+([\d.]+)", report).group(1))
     return dict(total), by_ins, rt
 
@@ -103,7 +108,7 @@ def main(argv=None):
         total, by_ins, rt = pressure(run.stdout)
         count = defaultdict(int)
         for b in body:
-            count[b.split()[0]] += 1
+            count[mnemonic(b.split())] += 1
         busy = sorted(total, key=total.get, reverse=True)[:4]
         print(f"{R} rows x {T} inputs, {K}-wide rows, -mcpu={args.mcpu}: {len(body)} instructions, "
               f"{count[product]} {product} an iteration; block throughput {rt:.1f} cycles "
