@@ -79,6 +79,15 @@ SUPER = 4                                             # vectors per superblock
 # The most rows a call decodes before it loads its inputs (`fp4_i8_dot`'s superblock order): decoded rows
 # (8 vectors each) in at most half the vector registers, 2 rows of AVX-512's 32, 1 of AVX2's 16.
 ROWS_FIRST = {1: 1, 2: 2, 3: 2, 4: 2, 5: 1}
+# Each row's codes are also prefetched into L1 (prefetcht0) this many superblocks ahead, on the paths where it
+# was measured to help (a path missing here, or a value < 1, emits none); the stream's far prefetch into L2
+# (kernels/fp4_simd.py WEIGHT_PREFETCH) is there either way. Zen 4 VM, 2 threads, whole expert FFN steps
+# (V4.1 geometry, fresh experts), copies compiled with and without it in one process, interleaved step by
+# step (kernels/lab/code_prefetch.py), 2 superblocks ahead against none, with an identical copy of the
+# baseline beside it: on the VBMI path verify 8 1.03-1.08 (that copy 0.99-1.03), verify 6 1.03-1.05
+# (0.97-1.03), batch 1 and verify 2 / 4 1.01-1.03 (1.00-1.01); on the VNNI path without VBMI (forced on the
+# same CPU) verify 8 0.97 (0.995), so not there (kernels/lab/README.md).
+CODE_L1_AHEAD = {4: 2}
 
 i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 
@@ -231,6 +240,13 @@ def fp4_i8_dot(typingctx, R_t, T_t, mode_t, codes, c_off, c_stride, scales, s_of
         def fetch_ahead(at):
             prefetch_weights(builder, prefetch, builder.gep(cbase, [at]))
 
+        l1_ahead = CODE_L1_AHEAD.get(mode, 0) * SUPER * step          # bytes; read when the code is emitted
+
+        def fetch_l1(at):
+            if l1_ahead > 0:
+                builder.call(prefetch, [builder.gep(cbase, [builder.add(at, c64(l1_ahead))]), ir.Constant(i32, 0),
+                                        ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
         def accumulators(st):
             return [[cgutils.alloca_once_value(builder, ir.Constant(st.vf, [0.0] * st.n)) for _ in range(T)] for _ in range(R)]
 
@@ -264,6 +280,7 @@ def fp4_i8_dot(typingctx, R_t, T_t, mode_t, codes, c_off, c_stride, scales, s_of
                     cp = builder.add(rows_c[r], p)
                     for k in range(0, sbb, 64):
                         fetch_ahead(builder.add(cp, c64(k)))
+                        fetch_l1(builder.add(cp, c64(k)))
                     vs = st.transpose([st.load(cbase, builder.add(cp, c64(k * step)), st.vb) for k in range(SUPER)])
                     return [st.decode(v) for v in vs], st.scale(sbase, builder.add(rows_s[r], e), order)
 
