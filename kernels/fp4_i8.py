@@ -85,8 +85,9 @@ ROWS_FIRST = {1: 1, 2: 2, 3: 2, 4: 2, 5: 1}
 # (V4.1 geometry, fresh experts), copies compiled with and without it in one process, interleaved step by
 # step (kernels/lab/code_prefetch.py), 2 superblocks ahead against none, with an identical copy of the
 # baseline beside it: on the VBMI path verify 8 1.03-1.08 (that copy 0.99-1.03), verify 6 1.03-1.05
-# (0.97-1.03), batch 1 and verify 2 / 4 1.01-1.03 (1.00-1.01); on the VNNI path without VBMI (forced on the
-# same CPU) verify 8 0.97 (0.995), so not there (kernels/lab/README.md).
+# (0.97-1.03), batch 1 and verify 2 / 4 1.01-1.03 (1.00-1.02: no more than the copy); on the VNNI path
+# without VBMI (forced on the same CPU) verify 8 0.97 (0.995), so not there (kernels/lab/README.md). A line
+# past a row's end is the next row's, or past the bank (a prefetch never faults).
 CODE_L1_AHEAD = {4: 2}
 
 i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
