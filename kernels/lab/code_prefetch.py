@@ -7,11 +7,11 @@ ahead, beside the stream's far prefetch into L2. Each setting (for the host's pa
 its own copy of the expert FFN: kernels/cpu_moe.py executed again as a module of its own, uncached (a
 cached copy would load the package's machine code), while the setting holds, since the intrinsic reads
 it when its code is emitted. The first setting is the baseline; a setting given twice is an identical
-copy, the A/A that says how far two copies of one code differ in this process. V4.1 geometry, fresh
-experts every step from a bank of 4x the host's total LLC (within the probe memory budget): batch 1 (6
-consecutive experts) or a verify of W tokens (each token's top-6 of a pool of 10, as
-benchmarks/cpu_moe.py plans it); every copy's step interleaved with the others', the order reversed
-every round. Checks first that every copy gives the same bits; prints GB/s of distinct expert bytes and
+copy, the A/A that says how far two copies of one code differ in this process. V4.1 geometry, rows in
+order, up to 8 inputs a row decode; fresh experts every step from a bank of 4x the host's total LLC and
+at least 32 experts (within the probe memory budget): batch 1 (6 consecutive experts) or a verify of W
+tokens (each token's top-6 of a pool of 10, as benchmarks/cpu_moe.py plans it); every copy's step
+interleaved with the others', the order reversed every round. Checks first that every copy gives the same bits; prints GB/s of distinct expert bytes and
 each copy's per-round speed ratio to the baseline.
 """
 from __future__ import annotations
