@@ -11,8 +11,8 @@ copy, the A/A that says how far two copies of one code differ in this process. V
 order, up to 8 inputs a row decode; fresh experts every step from a bank of 4x the host's total LLC and
 at least 32 experts (within the probe memory budget): batch 1 (6 consecutive experts) or a verify of W
 tokens (each token's top-6 of a pool of 10, as benchmarks/cpu_moe.py plans it); every copy's step
-interleaved with the others', the order reversed every round. Checks first that every copy gives the same bits; prints GB/s of distinct expert bytes and
-each copy's per-round speed ratio to the baseline.
+interleaved with the others', the order reversed every round. Checks first that every copy gives the
+same bits; prints GB/s of distinct expert bytes and each copy's per-round speed ratio to the baseline.
 """
 from __future__ import annotations
 
@@ -34,7 +34,10 @@ H, I, TOP_K, POOL = 5120, 2304, 6, 10
 def ffn_copy(ahead: int, tag: str):
     """kernels/cpu_moe.py as a fresh, uncached module whose kernels emit CODE_L1_AHEAD = `ahead` for the
     host's path; compiled by the first call (`compile_copy`)."""
-    src = Path(cm.__file__).read_text().replace("cache=CACHE", "cache=False")
+    src = Path(cm.__file__).read_text()
+    if "cache=CACHE" not in src:
+        raise RuntimeError(f"{cm.__file__} no longer says cache=CACHE: a copy could load the package's cached code")
+    src = src.replace("cache=CACHE", "cache=False")
     mod = types.ModuleType(f"kernels.lab._cpu_moe_{tag}")
     mod.__file__ = cm.__file__
     exec(compile(src, cm.__file__, "exec"), mod.__dict__)

@@ -10,7 +10,7 @@ from numba import njit
 from kernels import fp4_i8 as fi
 from kernels.cpu_moe import MODE, _prepare, random_bytes
 from kernels.fp4_i8 import fp4_i8_dot
-from kernels.lab.code_prefetch import POOL, TOP_K, compile_copy, plans
+from kernels.lab.code_prefetch import POOL, TOP_K, compile_copy, ffn_copy, plans
 
 pytestmark = pytest.mark.skipif(not MODE, reason="scalar ISA: no SIMD kernel emits a prefetch")
 K, ROWS, T = 1024, 6, 2                                # 512 code bytes a row: whole superblocks on every path
@@ -51,6 +51,15 @@ def test_the_l1_prefetch_is_emitted_as_set_and_changes_no_bits():
     assert (asm_own.count("prefetcht0") > 0) == (fi.CODE_L1_AHEAD.get(MODE, 0) > 0)
     assert np.array_equal(none.view(np.uint32), two.view(np.uint32))
     assert np.array_equal(none.view(np.uint32), own.view(np.uint32))
+
+
+def test_the_lab_s_copies_are_uncached_and_their_own():
+    a, b = ffn_copy(2, "a"), ffn_copy(-1, "b")
+    for mod in (a, b):
+        for f in (mod._ffn, mod._passes, mod._matvecs, mod._matvecs_wide):
+            assert type(f._cache).__name__ == "NullCache"                          # never the package's machine code
+    assert a._ffn is not b._ffn and a._matvecs is not b._matvecs
+    assert (a.ahead, b.ahead) == (2, -1)
 
 
 def test_the_lab_compiles_a_copy_under_its_setting_and_restores_the_package_s():
