@@ -12,7 +12,6 @@ from kernels.cpu_moe import MODE, _prepare, random_bytes
 from kernels.fp4_i8 import fp4_i8_dot
 from kernels.lab.code_prefetch import POOL, TOP_K, compile_copy, ffn_copy, plans
 
-pytestmark = pytest.mark.skipif(not MODE, reason="scalar ISA: no SIMD kernel emits a prefetch")
 K, ROWS, T = 1024, 6, 2                                # 512 code bytes a row: whole superblocks on every path
 
 
@@ -41,6 +40,7 @@ def _compiled(ahead):
     return out, "".join(f.inspect_asm().values())
 
 
+@pytest.mark.skipif(not MODE, reason="scalar ISA: no SIMD kernel emits a prefetch")
 def test_the_l1_prefetch_is_emitted_as_set_and_changes_no_bits():
     none, asm_none = _compiled(-1)
     two, asm_two = _compiled(2)
