@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 
 from autotune.probes import nvme, runtime_paths
-from autotune.probes.cpu_moe import (GEOMETRIES, VERIFY_TOKENS, ProbeTooLarge, cpu_moe, expert_bytes, random_bank, row_inputs,
-                                     row_streams)
+from autotune.probes.cpu_moe import GEOMETRIES, VERIFY_TOKENS, cpu_moe, random_bank, row_inputs, row_streams
 from hostinfo import cuda_available, probe_budget_bytes, usable_cores
 from hostinfo.fingerprint import fingerprint
 from hostinfo.measure import Measurement, measure
 from kernels.cpu_moe import DEFAULT_INPUTS
+from kernels.probe_bank import ProbeTooLarge, expert_bytes
 from kernels.stream import dram_copy, dram_stream_read, stream_buffer
 from runtime.profile import SCHEMA, io_path
 from runtime.budget import dense_host_bytes

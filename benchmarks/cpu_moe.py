@@ -38,11 +38,12 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from autotune.probes.cpu_moe import VERIFY_TOKENS, bank_size, pick_layout  # noqa: E402
+from autotune.probes.cpu_moe import VERIFY_TOKENS, pick_layout  # noqa: E402
 from hostinfo import llc_bytes, usable_cores  # noqa: E402
 from hostinfo.measure import Measurement, measure, paired_ratio  # noqa: E402
 from kernels.stream import dram_stream_read, stream_buffer  # noqa: E402
 from kernels.int8_peak import measure_peak  # noqa: E402
+from kernels.probe_bank import bank_size, step_ids  # noqa: E402
 from kernels.cpu_moe import DEFAULT_INPUTS, ISA, MODE, ROW_INPUTS, Fp4Bank, dequant_experts, expert_ffn, expert_ffn_dense  # noqa: E402
 
 GEOMETRIES = {"v4.1": (5120, 2304), "v4-flash": (4096, 2048), "small": (2048, 768)}
@@ -65,11 +66,10 @@ def decode_step(bank, T=1, pool=None, streams=4, inputs=DEFAULT_INPUTS):
     E = bank.n_experts
     if pool is None:                                   # batch 1: 6 consecutive fresh experts
         def ids_at(i):
-            return ((np.arange(6) + 6 * i) % E)[None].repeat(T, 0)
+            return step_ids(i, 1, 6, E, 0, rng).repeat(T, 0)
     else:                                              # verify: T tokens' top-6 drawn from `pool` experts
         def ids_at(i):
-            base = (pool * i) % max(1, E - pool)
-            return np.stack([base + rng.choice(pool, 6, replace=False) for _ in range(T)])
+            return step_ids(i, T, 6, E, pool, rng)
     plan = [ids_at(i) for i in range(64)]
 
     def fn():

@@ -34,6 +34,7 @@ from kernels import ISA_CACHE
 from kernels.formats import dequantize_mxfp4, quantize_act
 from kernels.fp4_i8 import LUT16, OFFSET, ROWS_FIRST, fp4_i8_dot, superblock_bytes
 from kernels.fp4_simd import E2M1, fp4_dequant
+from kernels.probe_bank import expert_bytes
 from kernels.threads import set_threads
 
 ISA = isa()                  # the host's widest path, or $DSV41_CPU_ISA (hostinfo)
@@ -107,7 +108,7 @@ class Fp4Bank:
     @property
     def expert_bytes(self) -> int:
         """Bytes one expert's evaluation reads: 3*H*I*(1/2 + 1/32)."""
-        return 3 * self.hidden * self.inter * 17 // 32
+        return expert_bytes(self.hidden, self.inter)
 
     @classmethod
     def from_experts(cls, experts) -> "Fp4Bank":

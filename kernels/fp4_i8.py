@@ -63,6 +63,8 @@ the VBMI decode (64-byte), 5: AVX2 with AVX-VNNI (32-byte; mode 1's bits). `MODE
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -89,6 +91,19 @@ ROWS_FIRST = {1: 1, 2: 2, 3: 2, 4: 2, 5: 1}
 # without VBMI (forced on the same CPU) verify 8 0.97 (0.995), so not there (kernels/lab/README.md). A line
 # past a row's end is the next row's, or past the bank (a prefetch never faults).
 CODE_L1_AHEAD = {4: 2}
+
+
+@contextmanager
+def emitting(table: dict, mode: int, value):
+    """`table[mode] = value` (ROWS_FIRST, CODE_L1_AHEAD: read when a kernel's code is emitted) for the kernels
+    compiled inside; the table as it was afterwards, even when a compile fails (the labs compile copies)."""
+    before = dict(table)
+    table[mode] = value
+    try:
+        yield
+    finally:
+        table.clear()
+        table.update(before)
 
 i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 

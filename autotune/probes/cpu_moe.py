@@ -8,42 +8,14 @@ its raw samples.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from hostinfo import llc_bytes, probe_budget_bytes
 from hostinfo.measure import Measurement, measure
 from kernels.cpu_moe import DEFAULT_INPUTS, ROW_INPUTS, ROW_STREAMS, Fp4Bank, expert_ffn
+from kernels.probe_bank import bank_size, step_ids
 
 # name -> (hidden, expert intermediate, top_k): the served geometries every profile carries
 GEOMETRIES = {"deepseek-v4.1-flash": (5120, 2304, 6), "deepseek-v4-flash": (4096, 2048, 6)}
-
-
-class ProbeTooLarge(ValueError):
-    """Even the smallest meaningful bank does not fit the probe memory budget."""
-
-
-def expert_bytes(H: int, I: int) -> int:
-    return 3 * H * I * 17 // 32                    # ds_fp4: 1/2 B per weight + 1/32 B of scale
-
-
-def bank_size(H: int, I: int, top_k: int, budget: int | None = None) -> tuple[int, str]:
-    """-> (experts, note) for a probe bank at this geometry: 4x the total LLC, at least 2 * top_k + 8,
-    at most the budget (note says when that keeps it under 4x the LLC)."""
-    eb, llc = expert_bytes(H, I), llc_bytes()
-    budget = probe_budget_bytes() if budget is None else budget
-    floor = 2 * top_k + 8
-    n = max(floor, math.ceil(4 * llc / eb))
-    cap = budget // eb
-    if cap < floor:
-        raise ProbeTooLarge(f"a {H}x{I} probe bank needs {floor} experts ({floor * eb / 2**20:.0f} MiB), over the probe "
-                            f"memory budget of {budget / 2**20:.0f} MiB")
-    if n <= cap:
-        return n, ""
-    return cap, (f"bank {cap} experts ({cap * eb / 2**20:.0f} MiB): the probe memory budget ({budget / 2**20:.0f} MiB) keeps it "
-                 f"under 4x the total last-level cache ({llc / 2**20:.0f} MiB)"
-                 + (", inside the cache: a cache figure, not DRAM" if cap * eb <= llc else ", so part of it is cache"))
 
 
 def random_bank(H: int, I: int, top_k: int, seed: int = 0, budget: int | None = None) -> tuple[Fp4Bank, str]:
@@ -63,11 +35,8 @@ def cpu_moe(bank: Fp4Bank, tokens: int, threads: int, top_k: int, repeats: int =
     state = {"i": 0}
 
     def ids_at(i):
-        if tokens == 1:
-            return ((np.arange(top_k) + top_k * i) % E)[None]
         if tokens <= 8:
-            base = (2 * top_k * i) % (E - 2 * top_k)
-            return np.stack([base + rng.choice(2 * top_k, top_k, replace=False) for _ in range(tokens)])
+            return step_ids(i, tokens, top_k, E, 2 * top_k, rng)
         return np.full((tokens, 1), i % E)
     plans = [ids_at(i) for i in range(max(repeats + 4, 16))]
     sizes = [len(np.unique(p)) * bank.expert_bytes for p in plans]

@@ -8,9 +8,10 @@ its own copy of the expert FFN: kernels/cpu_moe.py executed again as a module of
 cached copy would load the package's machine code), while the setting holds, since the intrinsic reads
 it when its code is emitted. The first setting is the baseline; a setting given twice is an identical
 copy, the A/A that says how far two copies of one code differ in this process. V4.1 geometry, rows in
-order, up to 8 inputs a row decode; fresh experts every step from a bank of 4x the host's total LLC and
-at least 32 experts (within the probe memory budget): batch 1 (6 consecutive experts) or a verify of W
-tokens (each token's top-6 of a pool of 10, as benchmarks/cpu_moe.py plans it); every copy's step
+order, up to 8 inputs a row decode; the bank and each step's experts as the profiler's probe has them
+(kernels/probe_bank.py: 4x the host's total LLC, at least 20 experts, within the probe memory budget):
+batch 1 (6 consecutive experts) or a verify of W tokens (each token's top-6 of a pool of 10, the pool
+moving every step, as benchmarks/cpu_moe.py plans it); every copy's step
 interleaved with the others', the order reversed every round. Checks first that every copy gives the
 same bits; prints GB/s of distinct expert bytes and each copy's per-round speed ratio to the baseline.
 """
@@ -24,8 +25,9 @@ from pathlib import Path
 import numpy as np
 
 import kernels.cpu_moe as cm
-from hostinfo import llc_bytes, probe_budget_bytes, usable_cores
+from hostinfo import usable_cores
 from kernels import fp4_i8 as fi
+from kernels.probe_bank import ProbeTooLarge, bank_size, step_ids
 from kernels.threads import set_threads
 
 H, I, TOP_K, POOL = 5120, 2304, 6, 10
@@ -48,20 +50,13 @@ def ffn_copy(ahead: int, tag: str):
 def compile_copy(mod, *args):
     """Run the copy's `_ffn` on `args` with its setting in force (its code is emitted at the first call), then
     restore the package's setting."""
-    before = dict(fi.CODE_L1_AHEAD)
-    fi.CODE_L1_AHEAD[cm.MODE] = mod.ahead
-    try:
+    with fi.emitting(fi.CODE_L1_AHEAD, cm.MODE, mod.ahead):
         mod._ffn(*args)
-    finally:
-        fi.CODE_L1_AHEAD.clear()
-        fi.CODE_L1_AHEAD.update(before)
 
 
 def plans(W: int, E: int, rng, n=64):
     """Expert ids per step: batch 1 (6 consecutive fresh experts) or W tokens' top-6 of a pool of 10."""
-    if W == 1:
-        return [((np.arange(TOP_K) + TOP_K * i) % E)[None] for i in range(n)]
-    return [np.stack([(POOL * i) % (E - POOL) + rng.choice(POOL, TOP_K, replace=False) for _ in range(W)]) for i in range(n)]
+    return [step_ids(i, W, TOP_K, E, POOL, rng) for i in range(n)]
 
 
 def main(argv=None):
@@ -75,17 +70,17 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not cm.MODE:
         raise SystemExit("scalar ISA: no SIMD kernel to compare")
-    expert = (2 * I * H + H * I) * (1 / 2 + 1 / 32)                # codes + scale bytes an expert
-    E = int(min(max(4 * llc_bytes(), 32 * expert), probe_budget_bytes()) // expert)
-    if E < 2 * POOL:
-        raise SystemExit(f"the probe memory budget holds {E} experts of {expert / 1e6:.0f} MB; need {2 * POOL}")
+    try:                                                           # at least 2 * TOP_K + 8 = 2 * POOL experts
+        E, note = bank_size(H, I, TOP_K)
+    except ProbeTooLarge as e:
+        raise SystemExit(str(e))
     bank = cm.Fp4Bank.random(E, H, I)
     set_threads(args.threads)
     names = [f"{a}" + "'" * args.ahead[:i].count(a) for i, a in enumerate(args.ahead)]
     copies = {n: ffn_copy(a, f"{i}") for i, (n, a) in enumerate(zip(names, args.ahead))}
     w = (bank.w13_codes, bank.w13_scales, bank.w2_codes, bank.w2_scales, 1, 8, cm.l1_input_bytes())
     print(f"path {fi.MODES[cm.MODE]}, {args.threads} threads, "
-          f"bank {E} experts ({E * expert / 1e9:.1f} GB); copies (superblocks ahead): {', '.join(names)}", flush=True)
+          f"bank {E} experts ({E * bank.expert_bytes / 1e9:.1f} GB{'; ' + note if note else ''}); copies (superblocks ahead): {', '.join(names)}", flush=True)
     for W in args.widths:
         rng = np.random.default_rng(W)
         x = rng.standard_normal((W, H)).astype(np.float32)

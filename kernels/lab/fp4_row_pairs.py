@@ -50,13 +50,10 @@ def compiled(variant, T, K, args):
     row decoded first, then each input's vectors, used by all R rows) or "Ri" (every input's vectors
     first, then row by row) -> its GEMV, compiled by a call on `args`."""
     R, order = int(variant.rstrip("fi")), variant[-1]
-    f, before = gemv(R, T, K=K), dict(fi.ROWS_FIRST)
-    if order in "fi":
-        fi.ROWS_FIRST[MODE] = R if order == "f" else R - 1
-    try:
+    f = gemv(R, T, K=K)
+    rows_first = {"f": R, "i": R - 1}.get(order, fi.ROWS_FIRST[MODE])
+    with fi.emitting(fi.ROWS_FIRST, MODE, rows_first):
         f(*args)
-    finally:
-        fi.ROWS_FIRST.update(before)
     return f
 
 

@@ -1,0 +1,48 @@
+"""A random ds_fp4 expert bank that measures the CPU-MoE kernel from DRAM, and the experts each step meets:
+the profiler's probe (autotune/probes/cpu_moe.py), the benchmarks and the kernel lab size their banks and
+plan their steps here, so every figure of the kernel comes from one rule."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from hostinfo import llc_bytes, probe_budget_bytes
+
+
+class ProbeTooLarge(ValueError):
+    """Even the smallest meaningful bank does not fit the probe memory budget."""
+
+
+def expert_bytes(H: int, I: int) -> int:
+    return 3 * H * I * 17 // 32                    # ds_fp4: 1/2 B per weight + 1/32 B of scale
+
+
+def bank_size(H: int, I: int, top_k: int, budget: int | None = None) -> tuple[int, str]:
+    """-> (experts, note) for a probe bank at this geometry: 4x the total LLC, at least 2 * top_k + 8,
+    at most the budget (note says when that keeps it under 4x the LLC)."""
+    eb, llc = expert_bytes(H, I), llc_bytes()
+    budget = probe_budget_bytes() if budget is None else budget
+    floor = 2 * top_k + 8
+    n = max(floor, math.ceil(4 * llc / eb))
+    cap = budget // eb
+    if cap < floor:
+        raise ProbeTooLarge(f"a {H}x{I} probe bank needs {floor} experts ({floor * eb / 2**20:.0f} MiB), over the probe "
+                            f"memory budget of {budget / 2**20:.0f} MiB")
+    if n <= cap:
+        return n, ""
+    return cap, (f"bank {cap} experts ({cap * eb / 2**20:.0f} MiB): the probe memory budget ({budget / 2**20:.0f} MiB) keeps it "
+                 f"under 4x the total last-level cache ({llc / 2**20:.0f} MiB)"
+                 + (", inside the cache: a cache figure, not DRAM" if cap * eb <= llc else ", so part of it is cache"))
+
+
+def step_ids(i: int, tokens: int, top_k: int, n_experts: int, pool: int, rng) -> np.ndarray:
+    """Expert ids [tokens, top_k] of step i over a bank of n_experts: one token's top_k consecutive experts,
+    the next top_k at every step (fresh while the bank spans 4x the LLC); or, for 2+ tokens, each token's
+    top_k drawn from a pool of `pool` consecutive experts (a verify's or a small batch's overlap), the pool
+    moving pool + 1 experts a step, ids wrapping around the bank (a stride of pool would keep a bank of
+    2 pools on two pools only)."""
+    if tokens == 1:
+        return ((np.arange(top_k) + top_k * i) % n_experts)[None]
+    base = (pool + 1) * i
+    return np.stack([(base + rng.choice(pool, top_k, replace=False)) % n_experts for _ in range(tokens)])
