@@ -13,7 +13,9 @@ is the median of per-round ratios, each round's kernel over the stream read in t
 its spread over the rounds. Geometries: V4.1 (5120x2304,
 18.80 MB/expert), V4-Flash (4096x2048) and a small one (2048x768). Also, on V4.1: widths 2-8 (GB/s of
 distinct expert bytes), as a DSpark verify whose tokens' experts overlap (top-6 of a pool of 10) and
-as a continuous batch of independent tokens (top-6 of the whole bank), the naive baseline (torch: dequantize to
+as a continuous batch of independent tokens (each token's top-6 drawn uniformly from V4.1's 384 routed
+experts, the step's distinct ones on fresh bank experts: kernels/probe_bank.py `batch_ids`; the bank
+holds 8 x 6 + 8 experts at least, so a host's small LLC does not turn a batch into a verify), the naive baseline (torch: dequantize to
 float, then matmul) and prefill widths (tokens per expert) for the GEMV kernel and the dense path
 (dequantize a tile + torch bf16 matmul), in GB/s and GFLOP/s (2 * 3 * H * I * tokens per expert).
 Each width is also held against the products' roof: the host's int8 dot-product peak at the kernel's
@@ -43,28 +45,37 @@ from hostinfo import llc_bytes, usable_cores  # noqa: E402
 from hostinfo.measure import Measurement, measure, paired_ratio  # noqa: E402
 from kernels.stream import dram_stream_read, stream_buffer  # noqa: E402
 from kernels.int8_peak import measure_peak  # noqa: E402
-from kernels.probe_bank import bank_size, step_ids  # noqa: E402
+from kernels.probe_bank import bank_size, batch_ids, step_ids  # noqa: E402
+from runtime.config import ModelConfig  # noqa: E402
 from kernels.cpu_moe import DEFAULT_INPUTS, ISA, MODE, ROW_INPUTS, Fp4Bank, dequant_experts, expert_ffn, expert_ffn_dense  # noqa: E402
 
 GEOMETRIES = {"v4.1": (5120, 2304), "v4-flash": (4096, 2048), "small": (2048, 768)}
+WIDTHS = (2, 4, 6, 8)                                  # DSpark verify / continuous batching
+ROUTED = ModelConfig.preset("deepseek-v4.1-flash").n_routed_experts     # a batch's tokens draw from these
 
 
-def bank_for(H, I, seed=0):
-    """The profiler's sizing: >= 4x the total LLC, >= 2 * top_k + 8 experts, within the probe budget."""
-    n, note = bank_size(H, I, top_k=6)
+def bank_for(H, I, seed=0, batch=0):
+    """The profiler's sizing: >= 4x the total LLC, >= 2 * top_k + 8 experts (batch * top_k + 8 where a
+    batch of independent tokens is measured), within the probe budget."""
+    n, note = bank_size(H, I, top_k=6, batch=batch)
     if note:
         print(f"note: {note}", flush=True)
     return Fp4Bank.random(n, H, I, seed=seed)
 
 
-def decode_step(bank, T=1, pool=None, streams=4, inputs=DEFAULT_INPUTS):
-    """A closure that runs one step on fresh experts each call; returns (fn, bytes per step)."""
+def decode_step(bank, T=1, pool=None, streams=4, inputs=DEFAULT_INPUTS, routed=None):
+    """A closure that runs one step on fresh experts each call (fn.bytes: distinct expert bytes per step).
+    T = 1: 6 consecutive experts; `pool`: a verify (T tokens' top-6 from `pool` experts); `routed`: a batch
+    of T independent tokens, each top-6 of `routed` model experts."""
     rng = np.random.default_rng(0)
     state = {"i": 0}
     x = rng.standard_normal((T, bank.hidden)).astype(np.float32)
     w = np.full((T, 6), 1 / 6, np.float32)
     E = bank.n_experts
-    if pool is None:                                   # batch 1: 6 consecutive fresh experts
+    if routed:                                         # a batch of independent tokens
+        def ids_at(i):
+            return batch_ids(i, T, 6, E, routed, rng)
+    elif pool is None:                                 # batch 1: 6 consecutive fresh experts
         def ids_at(i):
             return step_ids(i, 1, 6, E, 0, rng).repeat(T, 0)
     else:                                              # verify: T tokens' top-6 drawn from `pool` experts
@@ -139,7 +150,7 @@ def main(argv=None):
     for name, (H, I) in GEOMETRIES.items():
         if args.quick and name != "v4.1":
             continue
-        bank = bank_for(H, I)
+        bank = bank_for(H, I, batch=max(WIDTHS) if name == "v4.1" else 0)
         for t in args.threads:
             def kern(n, streams, t=t, **wide):
                 numba.set_num_threads(t)
@@ -174,9 +185,15 @@ def main(argv=None):
                   "the scalar path has no int8 SIMD products: widths are shown against the stream only", flush=True)
             lay = layouts[(name, t)]
             choices = ROW_INPUTS if lay == 1 else (DEFAULT_INPUTS,)    # inputs per row decode: rows in order only
-            for W in (2, 4, 6, 8):                            # DSpark verify / continuous batching widths
-                for pool, what in ((10, "verify: experts from a pool of 10"), (bank.n_experts, "batch: independent tokens")):
-                    vers = {n: decode_step(bank, T=W, pool=pool, streams=lay, inputs=n) for n in choices}
+            for W in WIDTHS:
+                for kind, what in (("verify", "verify: experts from a pool of 10"),
+                                   ("batch", f"batch: independent tokens, top-6 of {ROUTED}")):
+                    if kind == "batch" and bank.n_experts < W * 6:
+                        print(f"{name:9s} width {W} batch : not measured, the bank of {bank.n_experts} experts (the probe "
+                              f"memory budget) holds fewer than a batch's {W * 6} distinct ones", flush=True)
+                        continue
+                    wide = dict(pool=10) if kind == "verify" else dict(routed=ROUTED)
+                    vers = {n: decode_step(bank, T=W, streams=lay, inputs=n, **wide) for n in choices}
                     limits = [stream_at(t, buf, buf_note)] + ([peak_at(t)] if peak else [])
                     S, *M = rounds_of(limits + [lambda k, v=v: gbs(measure(v, repeats=k, warmup=2), v.bytes) for v in vers.values()],
                                       rounds, max(4, steps // 2))
@@ -185,7 +202,7 @@ def main(argv=None):
                     best = max(choices, key=lambda n: ms[n].median)
                     ver, K = vers[best], M[choices.index(best)]
                     r = row(geometry=name, shape=f"{H}x{I}", tokens=W, threads=t, kernel_gbs=ms[best], inputs=best,
-                            stream_gbs=pooled(S), ratio=paired_ratio(K, S), pool=pool, note=f"{W}-token {what} (GB/s of distinct experts)",
+                            stream_gbs=pooled(S), ratio=paired_ratio(K, S), kind=kind, note=f"{W}-token {what} (GB/s of distinct experts)",
                             **{f"inputs_{n}_gbs": ms[n] for n in choices if n != best})
                     roof = ""
                     if peak:                                  # GB/s of distinct bytes the products allow, each round's
@@ -196,7 +213,7 @@ def main(argv=None):
                         roof = f"  (products' roof {r['compute_roof_gbs']:.1f} GB/s; of min(stream, roof) {r['roof_ratio']:.2f})"
                     rows.append(r)
                     others = "".join(f"; {n}: {ms[n].median:.2f} GB/s" for n in choices if n != best)
-                    print(f"{name:9s} width {W} {'verify' if pool == 10 else 'batch ':6s} threads {t}: kernel {r['kernel_gbs']:6.2f} GB/s"
+                    print(f"{name:9s} width {W} {kind:6s} threads {t}: kernel {r['kernel_gbs']:6.2f} GB/s"
                           f"  ratio {r['ratio']:.2f}{roof}  [inputs per row decode {best}{others}]", flush=True)
             # naive baseline: torch dequantize to float then matmul, one token x 6 experts
             x = torch.randn(1, H)

@@ -41,3 +41,28 @@ def test_batch_1_meets_fresh_experts_and_a_verify_s_pool_moves_over_the_whole_ba
     # at the floor of 2 pools, a stride of one pool would meet 2 pools only; every expert is met here
     assert len({int(e) for p in steps for e in p.flat}) == E
     assert len({frozenset(p.flat) for p in steps}) > 2
+
+
+def test_a_batch_bank_holds_every_assignment_apart(monkeypatch):
+    monkeypatch.setattr(pb, "llc_bytes", lambda: 32 * 2**20)
+    assert pb.bank_size(H, I, K, budget=1 << 40, batch=8) == (8 * K + 8, "")
+    assert pb.bank_size(H, I, K, budget=1 << 40, batch=1)[0] == 2 * K + 8          # batch 1 and a verify: the old floor
+    with pytest.raises(pb.ProbeTooLarge, match="probe bank needs 56 experts"):
+        pb.bank_size(H, I, K, budget=55 * EB, batch=8)
+
+
+@pytest.mark.parametrize("tokens,routed,E", [(8, 384, 56), (2, 384, 20), (8, 16, 56), (4, 384, 24)])
+def test_a_batch_meets_the_model_s_overlap_on_fresh_bank_experts(tokens, routed, E):
+    rng = np.random.default_rng(1)
+    steps = [pb.batch_ids(i, tokens, K, E, routed, rng) for i in range(400)]
+    for i, p in enumerate(steps):
+        assert p.shape == (tokens, K) and all(len(set(row)) == K for row in p)     # a token's top-k are distinct
+        lo = tokens * K * i
+        assert set(((p - lo) % E).flat) == set(range(len(np.unique(p))))           # consecutive from the step's base
+    # the overlap is the model's: distinct experts per step as uniform routing over `routed` gives
+    mean = np.mean([len(np.unique(p)) for p in steps])
+    want = routed * (1 - (1 - K / routed) ** tokens)
+    assert abs(mean - want) < 0.03 * want, (mean, want)
+    assert len({int(e) for p in steps for e in p.flat}) == E                       # the whole bank is met
+    with pytest.raises(ValueError, match=f"needs a bank of >= {tokens * K} experts"):
+        pb.batch_ids(0, tokens, K, tokens * K - 1, routed, rng)
