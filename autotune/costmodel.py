@@ -183,7 +183,8 @@ class _Ctx:
         rides = T.shared_rides(plan, fp, prefill=moe_s is not None)
         shared = T.shared(f, fp, tokens, rides)
         t = {"moe": (moe_s + shared * share if rides else moe_s) if moe_s is not None else
-             T.moe(f, plan, fp, n_experts, self.hit, self.mem["nvme_share"], self.mem["page_share"], shared if rides else 0.0),
+             T.moe(f, plan, fp, n_experts, self.hit, self.mem["nvme_share"], self.mem["page_share"], shared if rides else 0.0,
+                   tokens=tokens),
              "shared": 0.0 if rides else shared}
         t["dense"], self.sources["dense"] = T.dense(f, fp, tokens, self.path_bytes)
         att, self.sources["attention"] = f.attention_s(tokens // sequences, context, fp, lambda c: kv_state_bytes(fp, int(c)))

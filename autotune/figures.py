@@ -186,7 +186,8 @@ def gather_figures(plan: Plan, profile: dict, fp: Footprint) -> HostFigures:
     at = lambda v, key: "measured at this geometry" if v else f"not measured at this geometry ({key})"  # noqa: E731
     f.sources = {
         "moe": f"fixed per layer call: {fixed_key} [{source_of(profile, fixed_key)}]; bytes over cpu_moe_gbs "
-               f"[{source_of(profile, 'cpu_moe_gbs')}]" + (f", pcie_gather_gbs [{source_of(profile, 'pcie_gather_gbs')}]" if gpu else ""),
+               f"[{source_of(profile, 'cpu_moe_gbs')}], a wide step's products at its width's GFLOP/s where slower"
+               + (f", pcie_gather_gbs [{source_of(profile, 'pcie_gather_gbs')}]" if gpu else ""),
         "shared": ("formula: rides in the routed experts' CPU call (in `moe`): its bytes over cpu_moe_gbs" if fp.shared_rides else
                    "shared_call_us " + at(f.shared_call, "its bytes over cpu_moe_gbs instead")),
         "engram_wait": "engram_rows_s " + at(f.engram_rows, "row assembly counted as 0") +

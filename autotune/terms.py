@@ -11,9 +11,13 @@
   other                (the rest)       wall time outside every phase: per-layer Python, sampling
 
 Decode MoE per strategy (n distinct experts per layer, h hit rate, miss bytes B = n L (1-h) e):
-  cpu      L fixed_cpu + B / cpu + S
+  cpu      L fixed_cpu + max(B / cpu, P) + S
+           P: a step of T > 1 tokens' products (T top_k assignments a layer, 2 x 3 H I FLOP each) at the
+           kernel's FLOP/s measured at that width (cpu_moe_gbs entries' GFLOP/s: a verify whose experts
+           overlap), the (1-h) share on the CPU: a DSpark verify or a batch that meets few experts many
+           times is bound by the kernel's products, not its bytes; 0 at one token (its figure is the bytes')
   offload  L fixed_off + max(B / gather + n L e / dev_mem, S)             (gather, then compute on device)
-  hybrid   L fixed_hyb + max(f B / gather_c + f B / dev_mem, (1-f) B / cpu_c' + S cpu / cpu_c', B / dram)
+  hybrid   L fixed_hyb + max(f B / gather_c + f B / dev_mem, max((1-f) B / cpu_c', (1-f) P) + S cpu / cpu_c', B / dram)
            S: the shared expert's CPU seconds where it rides in the routed CPU call (shared_rides), else 0
            (numba's layer not threadsafe, `overlap` False: offload and hybrid add their two sides instead)
            cpu_c' = cpu_c (t-1)/t: one of the plan's t threads drives the device side (formula);
@@ -41,30 +45,39 @@ def measured_terms(phases: dict, wall_s: float, per: float) -> dict:
     return out
 
 
+def products(f: HostFigures, fp: Footprint, tokens: int) -> float:
+    """Seconds for a forward of `tokens` tokens' routed products on the CPU kernel, at its FLOP/s measured
+    at that width: the compute bound of a wide decode step (0 for one token, whose figure is its bytes')."""
+    if tokens <= 1:
+        return 0.0
+    return 2 * 3 * fp.hidden_size * fp.moe_intermediate_size * fp.top_k * tokens * fp.num_layers / f.moe_flops(tokens)
+
+
 def moe(f: HostFigures, plan: Plan, fp: Footprint, n: float, hit: float, q_nvme: float, page_share: float,
-        shared_s: float = 0.0) -> float:
-    """Seconds for one forward's routed experts when each layer reads n distinct experts; `shared_s`:
-    the shared expert's CPU seconds when it rides in the routed CPU call (`shared_rides`), on the CPU
-    side of the split (beside the device's share on a GPU host)."""
+        shared_s: float = 0.0, tokens: int = 1) -> float:
+    """Seconds for one forward of `tokens` tokens' routed experts when each layer reads n distinct experts;
+    `shared_s`: the shared expert's CPU seconds when it rides in the routed CPU call (`shared_rides`), on
+    the CPU side of the split (beside the device's share on a GPU host)."""
     L, eb = fp.num_layers, fp.expert_bytes
     miss = n * L * (1 - hit) * eb
     dev = n * L * hit * eb / (f.dev_mem * 1e9) if f.gpu and hit else 0.0
     t_nvme = nvme_read(f, plan, miss, q_nvme, page_share)
+    P = products(f, fp, tokens) * (1 - hit)
     if not f.gpu or plan.moe_strategy == "cpu":
-        body = miss / (f.cpu * 1e9) + shared_s
+        body = max(miss / (f.cpu * 1e9), P) + shared_s
     elif plan.moe_strategy == "offload":
         device = miss / (f.gather * 1e9) + miss / (f.dev_mem * 1e9)
         body = max(device, shared_s) if f.overlap else device + shared_s
     elif not f.overlap:                                     # the CPU share after the device's, uncontended
         fr = plan.fetch_fraction
-        body = fr * miss / (f.gather * 1e9) + fr * miss / (f.dev_mem * 1e9) + (1 - fr) * miss / (f.cpu * 1e9) + shared_s
+        body = fr * miss / (f.gather * 1e9) + fr * miss / (f.dev_mem * 1e9) + (1 - fr) * max(miss / (f.cpu * 1e9), P) + shared_s
     else:
         cpu_c, gather_c = f.contended or (f.cpu, f.gather)
         t = plan.cpu_threads or 0
         cpu_c = cpu_c * (t - 1) / t if t > 1 else cpu_c
         fr = plan.fetch_fraction
         body = max(fr * miss / (gather_c * 1e9) + fr * miss / (f.dev_mem * 1e9),
-                   (1 - fr) * miss / (cpu_c * 1e9) + shared_s * f.cpu / cpu_c, miss / (f.dram * 1e9))
+                   (1 - fr) * max(miss / (cpu_c * 1e9), P) + shared_s * f.cpu / cpu_c, miss / (f.dram * 1e9))
     return L * f.fixed + body + dev + t_nvme
 
 

@@ -379,3 +379,35 @@ def test_a_shared_expert_riding_in_the_cpu_call_runs_beside_the_devices_share(ep
     assert any("workqueue" in n for n in serial.notes)
     hyb = Plan(moe_strategy="hybrid", slot_cache_experts=64, fetch_fraction=0.5, host_expert_budget_gib=100.0)
     assert predict(hyb, wq, v41, wl).terms["decode_moe_s"] > predict(hyb, epyc, v41, wl).terms["decode_moe_s"]
+
+
+def test_a_wide_decode_step_is_bound_by_the_kernels_products_at_its_width(epyc, v41):
+    """A DSpark verify (or a batch) meets experts several times: on the CPU its time is the larger of its
+    bytes at the batch-1 figure and its products at the kernel's GFLOP/s measured at that width (the
+    profiler's verify widths), so a host whose kernel slows with inputs per expert is not promised the
+    bytes' speed; a one-token step never takes the width figure."""
+    cpu = copy.deepcopy(epyc)
+    cpu["host"]["hard"].update(gpu_name="", gpu_vram_gib=0)
+    cores = int(cpu["host"]["hard"]["physical_cores"])
+    H, I, K, L = v41.hidden_size, v41.moe_intermediate_size, v41.top_k, v41.num_layers
+    flop1 = 2 * 3 * H * I * K
+
+    def at(g6):                                         # batch 1 at 100 GB/s, a width of 6 at g6 GFLOP/s
+        p = copy.deepcopy(cpu)
+        one = {"geometry": "5120x2304", "tokens": 1, "threads": cores, "median": 100.0, "unit": "GB/s", "source": "measured",
+               "samples": [100.0], "extra": {"gflops": flop1 / (K * v41.expert_bytes / 100e9) / 1e9}}
+        six = {**one, "tokens": 6, "median": 50.0, "samples": [50.0], "extra": {"gflops": g6}}
+        p["measurements"]["cpu_moe_gbs"] = [one, six]
+        return p
+    wl, v41 = Workload(1024, 64), dataclasses.replace(v41, shared_rides=False)    # the routed experts alone in `moe`
+    spec = Plan(moe_strategy="cpu", dspark=True, draft_length=5, max_context=32768)
+    plain = Plan(moe_strategy="cpu", max_context=32768)
+    slow, fast = predict(spec, at(50.0), v41, wl), predict(spec, at(1e6), v41, wl)
+    a, n = slow.terms["dspark_accepted"], slow.terms["dspark_union_experts"]
+    assert (a, n) == (fast.terms["dspark_accepted"], fast.terms["dspark_union_experts"])
+    products, nbytes = 6 * flop1 * L / 50e9, n * L * v41.expert_bytes / (slow.terms["cpu_moe_gbs"] * 1e9)
+    assert products > 2 * nbytes                                           # the case this test is about
+    per_step = lambda r: r.raw["decode"]["moe"] * a                        # noqa: E731  the model divides a step by its tokens
+    assert per_step(slow) - per_step(fast) == pytest.approx(products - nbytes, rel=1e-6)
+    one = [predict(plain, at(g), v41, wl).raw["decode"]["moe"] for g in (50.0, 1e6)]
+    assert one[0] == pytest.approx(one[1])
