@@ -9,7 +9,12 @@ configuration: decode tok/s (median and spread over prompts x repeats), the spee
 measured in the same run, acceptance (accepted / drafted), mean accepted drafts per verify step, the
 drafter's and the verify pass's cost per step beside one plain decode step, the expert union a verify
 batch reads per MoE layer, and routed-expert bytes read per generated token (the drafter's own
-experts separately). Greedy output is checked identical to DSpark off for every prompt.
+experts separately). Greedy output is compared with DSpark off for every prompt: on the float32 runtime a
+verify pass sums in another order than one-token decode (the int8 requantization of each expert input
+can move a code by one step, tests/runtime/test_dspark.py), so after the timed runs one untimed run per
+prompt and draft length keeps its logits: the typical (median) step's largest logit difference from
+DSpark off, and where the tokens first part, DSpark off's top-2 margin there (a near-tie parts on float
+noise; a wide margin would be a verify bug).
 """
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ import json
 import os
 import statistics
 import sys
+
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tokenizers import Tokenizer  # noqa: E402
@@ -86,6 +93,7 @@ def main(argv=None):
                     row["mean_acc"].append(s["mean_accepted"])
                     row["draft_ms"].append(1e3 * s["draft_s"] / s["steps"])
                     row["verify_ms"].append(1e3 * s["verify_s"] / s["steps"])
+    parted = compare_logits(engine, plans, prompts, args.max_tokens)
     engine.close()
     off = statistics.median(rows[0]["tok_s"])
     out = []
@@ -97,7 +105,7 @@ def main(argv=None):
                     "draft_ms_per_step": med("draft_ms"), "verify_ms_per_step": med("verify_ms"),
                     "expert_union_per_layer": med("union"), "routed_mb_per_token": med("bytes_per_tok") / 1e6,
                     "drafter_mb_per_token": med("drafter_bytes_per_tok") / 1e6,
-                    "greedy_identical": all(row["tokens"][k] == reference[k] for k in reference),
+                    "greedy_identical": all(row["tokens"][k] == reference[k] for k in reference), **parted[d],
                     "samples": row["tok_s"]})
     step_ms = 1e3 / off
     if args.json:
@@ -107,14 +115,45 @@ def main(argv=None):
           f"{args.max_tokens} generated, greedy; plain decode step {step_ms:.1f} ms; top-{cfg.num_experts_per_tok} of "
           f"{cfg.n_routed_experts} experts, {eb / 1e6:.2f} MB each")
     hdr = f"{'draft':>5} {'tok/s':>7} {'[min-max]':>13} {'speedup':>7} {'accept':>6} {'acc/step':>8} {'draft ms':>8} " \
-          f"{'verify ms':>9} {'union/layer':>11} {'MB/token':>8} {'drafter MB':>10} {'same':>4}"
+          f"{'verify ms':>9} {'union/layer':>11} {'MB/token':>8} {'drafter MB':>10} {'same':>4}  logits vs off"
     print(hdr)
     for o in out:
         f = lambda v, fmt: format(v, fmt) if v is not None else "-"
         print(f"{o['draft_length'] or 'off':>5} {o['decode_tok_s']:7.2f} {o['min']:6.2f}-{o['max']:<6.2f} {o['speedup']:7.2f} "
               f"{f(o['acceptance'], '6.2f'):>6} {f(o['mean_accepted'], '8.2f'):>8} {f(o['draft_ms_per_step'], '8.1f'):>8} "
               f"{f(o['verify_ms_per_step'], '9.1f'):>9} {o['expert_union_per_layer']:11.1f} {o['routed_mb_per_token']:8.1f} "
-              f"{o['drafter_mb_per_token']:10.1f} {'yes' if o['greedy_identical'] else 'NO':>4}")
+              f"{o['drafter_mb_per_token']:10.1f} {'yes' if o['greedy_identical'] else 'NO':>4}  {parted_text(o)}")
+
+
+def compare_logits(engine, plans, prompts, n):
+    """{draft length: median over steps of the largest logit difference from DSpark off, and per prompt where
+    the tokens first part and DSpark off's top-2 margin there}, from one untimed run each with its logits."""
+    out = {}
+    for d, plan in plans.items():
+        if d == 0:
+            continue
+        diffs, parts = [], []
+        for p in prompts:
+            engine.plan = plans[0]
+            ref = engine.generate(p, n, keep_logits=True)
+            engine.plan = plan
+            got = engine.generate(p, n, keep_logits=True)
+            first = next((i for i, (a, b) in enumerate(zip(got.tokens, ref.tokens)) if a != b), None)
+            diffs += [(a - b).abs().max().item() for a, b in list(zip(got.logits, ref.logits))[:first]]
+            if first is not None:
+                top = torch.topk(ref.logits[first], 2).values
+                parts.append({"step": first, "off_top2_margin": float(top[0] - top[1])})
+        out[d] = {"logit_diff_median": statistics.median(diffs) if diffs else None, "parted": parts}
+    out[0] = {"logit_diff_median": 0.0, "parted": []}
+    return out
+
+
+def parted_text(o) -> str:
+    med = o["logit_diff_median"]
+    head = f"median step {med:.1e}" if med is not None else "-"
+    if not o["parted"]:
+        return head
+    return head + "; parted at " + ", ".join(f"step {x['step']} (margin {x['off_top2_margin']:.1e})" for x in o["parted"])
 
 
 if __name__ == "__main__":

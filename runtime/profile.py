@@ -186,8 +186,10 @@ def cpu_moe_figure(profile: dict, geometry: str, tokens: int = 1, threads: int |
 
 
 def cpu_moe_flops(profile: dict, geometry: str, tokens: int, threads: int | None = None) -> tuple[float | None, str]:
-    """The CPU-MoE kernel's FLOP/s for a call of `tokens` tokens at this expert geometry: the measured
-    width nearest `tokens` (log scale), at `threads` (else scaled down by threads / measured threads).
+    """The CPU-MoE kernel's FLOP/s for a call of `tokens` tokens at this expert geometry: between two
+    measured widths, interpolated on log-log scales (a memory-bound kernel's FLOP/s grows with its width:
+    the nearest width alone would give a width of 2 batch 1's rate where only 1 and 6 were measured);
+    outside them, the nearest; at `threads` (else scaled down by threads / measured threads).
     -> (FLOP/s or None when no width carries a GFLOP/s figure, note)."""
     import math
     rows = [e for e in profile["measurements"]["cpu_moe_gbs"] if "median" in e and (e.get("extra") or {}).get("gflops")]
@@ -196,8 +198,23 @@ def cpu_moe_flops(profile: dict, geometry: str, tokens: int, threads: int | None
     same = [e for e in pool if e["geometry"] == geometry]
     if not pool:
         return None, "no CPU-MoE GFLOP/s figure in the profile"
-    best = min(same or pool, key=lambda e: (abs(math.log(max(e.get("tokens", 1), 1) / max(tokens, 1))), -e["extra"]["gflops"]))
-    flops = best["extra"]["gflops"] * 1e9
+    width = lambda e: max(e.get("tokens", 1), 1)                                    # noqa: E731
+    cand = same or pool
+    top = max(cand, key=lambda e: e["extra"]["gflops"]).get("threads")           # one thread count's widths
+    cand = [e for e in cand if e.get("threads") == top]
+    by = {}
+    for e in cand:                                                                 # the best figure at each width
+        if width(e) not in by or e["extra"]["gflops"] > by[width(e)]["extra"]["gflops"]:
+            by[width(e)] = e
+    t = max(tokens, 1)
+    lo, hi = max((w for w in by if w <= t), default=None), min((w for w in by if w >= t), default=None)
+    if lo is not None and hi is not None and lo != hi:
+        f0, f1 = by[lo]["extra"]["gflops"], by[hi]["extra"]["gflops"]
+        best = by[lo]
+        flops = math.exp(math.log(f0) + (math.log(f1) - math.log(f0)) * math.log(t / lo) / math.log(hi / lo)) * 1e9
+    else:
+        best = by[lo if lo is not None else hi]
+        flops = best["extra"]["gflops"] * 1e9
     notes = [] if same else [f"CPU-MoE GFLOP/s extrapolated from geometry {best['geometry']} to {geometry}"]
     if threads is not None and not at and best.get("threads") and threads < best["threads"]:
         flops *= threads / best["threads"]

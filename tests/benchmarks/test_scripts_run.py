@@ -130,3 +130,19 @@ def test_tuner_regret_reports_no_fidelity_from_one_measured_plan():
     spec.loader.exec_module(mod)
     assert mod.MIN_GRID >= 2
     assert mod.fidelity([{"plan": None, "decode_tok_s": 1.0, "ttft_s": 1.0}], {}, None, None) is None
+
+
+def test_dspark_runs_to_the_end_on_tiny_and_says_where_greedy_output_parts(tiny_dir):
+    """Every draft length's row, and beside greedy identity the logits' typical difference from DSpark off
+    and, where tokens part, the step and DSpark off's top-2 margin there (a near-tie or a verify bug)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSV41_")}
+    env.update(DSV41_CORES="1")
+    p = subprocess.run([sys.executable, str(SCRIPTS / "dspark.py"), "--checkpoint", str(tiny_dir), "--prompts", "2", "--repeats", "1",
+                        "--prompt-tokens", "24", "--max-tokens", "12", "--json"], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads(p.stdout.strip().splitlines()[-1])["rows"]
+    assert [r["draft_length"] for r in rows] == [None, 1, 2, 3, 4, 5]
+    for r in rows[1:]:
+        assert r["logit_diff_median"] is not None and 0 <= r["logit_diff_median"] < 1e-3, r
+        assert r["greedy_identical"] == (not r["parted"]), r
+        assert all(0 <= x["step"] < 12 and x["off_top2_margin"] >= 0 for x in r["parted"]), r
