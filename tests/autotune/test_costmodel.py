@@ -411,3 +411,21 @@ def test_a_wide_decode_step_is_bound_by_the_kernels_products_at_its_width(epyc, 
     assert per_step(slow) - per_step(fast) == pytest.approx(products - nbytes, rel=1e-6)
     one = [predict(plain, at(g), v41, wl).raw["decode"]["moe"] for g in (50.0, 1e6)]
     assert one[0] == pytest.approx(one[1])
+
+
+def test_the_kernels_flops_at_a_width_between_two_measured_ones_is_interpolated():
+    """log-log between the measured widths on each side (a width of 2 where 1 and 6 were measured is not batch
+    1's rate), the nearest outside them, one thread count's figures (scaled down to fewer threads)."""
+    import math
+    from runtime.profile import cpu_moe_flops
+
+    def e(tokens, gflops, threads=2, geometry="g"):
+        return {"geometry": geometry, "tokens": tokens, "threads": threads, "median": 1.0, "extra": {"gflops": gflops}}
+    prof = {"measurements": {"cpu_moe_gbs": [e(1, 100.0), e(6, 300.0), e(64, 400.0), e(6, 900.0, threads=1), e(2, 5.0, geometry="h")]}}
+    at = lambda t, threads=2: cpu_moe_flops(prof, "g", t, threads)[0] / 1e9          # noqa: E731
+    assert at(1) == pytest.approx(100.0) and at(6) == pytest.approx(300.0) and at(64) == pytest.approx(400.0)
+    assert at(2) == pytest.approx(100.0 * 3.0 ** (math.log(2) / math.log(6)))         # not 100 (the nearest width)
+    assert 300.0 < at(16) < 400.0 and at(256) == pytest.approx(400.0)                 # beyond the widths: the nearest
+    assert at(6, threads=1) == pytest.approx(900.0)                                     # measured there
+    assert at(6, threads=4) == pytest.approx(900.0)   # not measured at 4: the best thread count's own widths, never scaled up
+    assert cpu_moe_flops(prof, "h", 2, 2)[0] / 1e9 == pytest.approx(5.0)
