@@ -45,7 +45,7 @@ from hostinfo import llc_bytes, usable_cores  # noqa: E402
 from hostinfo.measure import Measurement, measure, paired_ratio  # noqa: E402
 from kernels.stream import dram_stream_read, stream_buffer  # noqa: E402
 from kernels.int8_peak import measure_peak  # noqa: E402
-from kernels.probe_bank import bank_size, batch_ids, step_ids  # noqa: E402
+from kernels.probe_bank import ProbeTooLarge, bank_size, batch_ids, step_ids  # noqa: E402
 from runtime.config import ModelConfig  # noqa: E402
 from kernels.cpu_moe import DEFAULT_INPUTS, ISA, MODE, ROW_INPUTS, Fp4Bank, dequant_experts, expert_ffn, expert_ffn_dense  # noqa: E402
 
@@ -56,8 +56,15 @@ ROUTED = ModelConfig.preset("deepseek-v4.1-flash").n_routed_experts     # a batc
 
 def bank_for(H, I, seed=0, batch=0):
     """The profiler's sizing: >= 4x the total LLC, >= 2 * top_k + 8 experts (batch * top_k + 8 where a
-    batch of independent tokens is measured), within the probe budget."""
-    n, note = bank_size(H, I, top_k=6, batch=batch)
+    batch of independent tokens is measured, else the verify's floor, said), within the probe budget
+    (ProbeTooLarge when not even the verify's floor fits)."""
+    try:
+        n, note = bank_size(H, I, top_k=6, batch=batch)
+    except ProbeTooLarge as e:
+        if not batch:
+            raise
+        n, note = bank_size(H, I, top_k=6)
+        print(f"note: {e}: the batch widths whose experts the {n}-expert bank cannot hold apart are not measured", flush=True)
     if note:
         print(f"note: {note}", flush=True)
     return Fp4Bank.random(n, H, I, seed=seed)
@@ -150,7 +157,11 @@ def main(argv=None):
     for name, (H, I) in GEOMETRIES.items():
         if args.quick and name != "v4.1":
             continue
-        bank = bank_for(H, I, batch=max(WIDTHS) if name == "v4.1" else 0)
+        try:
+            bank = bank_for(H, I, batch=max(WIDTHS) if name == "v4.1" else 0)
+        except ProbeTooLarge as e:
+            print(f"{name:9s} not measured: {e}", flush=True)
+            continue
         for t in args.threads:
             def kern(n, streams, t=t, **wide):
                 numba.set_num_threads(t)
@@ -249,8 +260,13 @@ def main(argv=None):
             rows.append(row(geometry=name, shape=f"{H}x{I}", threads=t, path="dequant-w13",
                             kernel_gbs=gbs(m, bank.expert_bytes * 2 / 3), note="fp4 -> f32 tile, codes+scales read"))
         del bank
-    out = {"kernel_gbs": head["kernel_gbs"], "stream_gbs": head["stream_gbs"], "ratio": head["ratio"], "streams": head["streams"],
-           "threads": head["threads"], "isa": ISA, "rows": rows}
+    head = head or next((r for r in rows if r.get("tokens") == 1 and "ratio" in r), None)   # V4.1's, else a smaller geometry's
+    if head is None:
+        print("no geometry's bank fits the probe memory budget: nothing measured", flush=True)
+        out = {"isa": ISA, "rows": rows}
+    else:
+        out = {"kernel_gbs": head["kernel_gbs"], "stream_gbs": head["stream_gbs"], "ratio": head["ratio"], "streams": head["streams"],
+               "threads": head["threads"], "isa": ISA, "rows": rows}
     if peak:
         out["int8_peak_gmacs"] = round(peak.median / 1e9, 1)
     if args.json:

@@ -146,3 +146,27 @@ def test_dspark_runs_to_the_end_on_tiny_and_says_where_greedy_output_parts(tiny_
         assert r["logit_diff_median"] is not None and 0 <= r["logit_diff_median"] < 1e-3, r
         assert r["greedy_identical"] == (not r["parted"]), r
         assert all(0 <= x["step"] < 12 and x["off_top2_margin"] >= 0 for x in r["parted"]), r
+
+
+def test_cpu_moe_s_bank_falls_back_to_the_verify_floor_where_a_batch_s_does_not_fit(monkeypatch, capsys):
+    """The batch widths need 8 x 6 + 8 experts held apart; under a small probe budget the benchmark measures
+    the rest on the verify's floor of 20 (saying so) and skips a geometry whose floor does not fit, so it
+    runs to the end on any host."""
+    import importlib.util
+
+    import pytest
+
+    from kernels.probe_bank import ProbeTooLarge, expert_bytes
+    spec = importlib.util.spec_from_file_location("cpu_moe_bench", SCRIPTS / "cpu_moe.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    H, I = mod.GEOMETRIES["small"]
+    monkeypatch.setattr("kernels.probe_bank.llc_bytes", lambda: 1 << 20)
+    monkeypatch.setenv("DSV41_PROBE_MIB", str(30 * expert_bytes(H, I) / 2**20))
+    bank = mod.bank_for(H, I, batch=8)
+    assert bank.n_experts == 20 and "batch widths" in capsys.readouterr().out
+    monkeypatch.setenv("DSV41_PROBE_MIB", str(60 * expert_bytes(H, I) / 2**20))
+    assert mod.bank_for(H, I, batch=8).n_experts == 56
+    monkeypatch.setenv("DSV41_PROBE_MIB", str(10 * expert_bytes(H, I) / 2**20))
+    with pytest.raises(ProbeTooLarge):
+        mod.bank_for(H, I, batch=8)
