@@ -209,7 +209,8 @@ def decode_terms(c: _Ctx) -> dict:
         a = T.accepted_per_step(p, d)
     experts = _step_experts(f, fp, n, d + 1)
     step = c.forward(n * (d + 1), ctx, n_experts=experts, sequences=n)
-    step["draft"] = n * d * T.draft(f, fp, drafter_dense_bytes(fp, on_cpu=not f.gpu) + _head_bytes(fp, f.gpu))
+    step["draft"] = n * d * (f.draft_token if f.draft_token is not None else
+                             T.draft(f, fp, drafter_dense_bytes(fp, on_cpu=not f.gpu) + _head_bytes(fp, f.gpu)))
     c.extra = {"concurrency": n}
     if d:
         c.extra.update(dspark_accepted=a, dspark_union_experts=experts)

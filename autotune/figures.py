@@ -89,6 +89,7 @@ class HostFigures:
     shared_call: float | None = None  # s per layer call of the shared expert at batch 1, this geometry
     overlap: bool = True              # the CPU share of a layer runs beside the device's (numba's layer is threadsafe)
     engram_rows: float = 0.0          # s per Engram layer per forward assembling rows (page cache / RAM), this geometry
+    draft_token: float | None = None  # s per DSpark drafted token, timed through the runtime on this CPU host and geometry
     other_per_layer: float | None = None             # s per layer per forward, outside every phase
     moe_flops: object = None          # tokens -> the CPU-MoE kernel's FLOP/s for a call that wide
     routing: Routing | None = None
@@ -176,6 +177,9 @@ def gather_figures(plan: Plan, profile: dict, fp: Footprint) -> HostFigures:
     f.shared_call = float(sh["median"]) * 1e-6 if sh else None
     er = _at_geometry(profile, "engram_rows_s", fp, ph)
     f.engram_rows = float(er["median"]) if er else 0.0
+    dr = _at_geometry(profile, "dspark_draft_s_per_token", fp)         # the drafter on the CPU at the probe's threads
+    if dr and not gpu and dr.get("threads") in (None, threads):
+        f.draft_token = float(dr["median"])
     oth = _at_geometry(profile, "step_other_s_per_layer", fp, ph)
     if oth is None and isinstance(m.get("step_other_s_per_layer"), dict) and "median" in m["step_other_s_per_layer"]:
         oth = m["step_other_s_per_layer"]       # Python overhead per layer: carried to other geometries
@@ -192,7 +196,8 @@ def gather_figures(plan: Plan, profile: dict, fp: Footprint) -> HostFigures:
                    "shared_call_us " + at(f.shared_call, "its bytes over cpu_moe_gbs instead")),
         "engram_wait": "engram_rows_s " + at(f.engram_rows, "row assembly counted as 0") +
                        ("; reads over nvme_randread_4k [" + source_of(profile, "nvme_randread_4k") + "]"),
-        "draft": f"formula: drafter experts over cpu_moe_gbs, its dense part and the head over {'gpu_mem_gbs' if gpu else 'the dense path'}",
+        "draft": ("dspark_draft_s_per_token [measured at this geometry and thread count]" if f.draft_token is not None else
+                  f"formula: drafter experts over cpu_moe_gbs, its dense part and the head over {'gpu_mem_gbs' if gpu else 'the dense path'}"),
         "other": "step_other_s_per_layer [measured] x layers" if f.other_per_layer is not None else "assumed: 0 s (not measured)",
         "phases": ("measured: the runtime's dense, attention, shared, Engram and other phases " +
                    (f"{which} (phases_nvme_tier)" if which else f"with the experts in {dp.get('placement', 'ram')} (dense_path_gbs)"))

@@ -330,9 +330,9 @@ def run_profile(checkpoint, quick: bool = False, progress=None) -> dict:
     m["routing"] = _routing(ck, quick, cores)
     step("DSpark acceptance (runtime)")
     try:
-        m["dspark_p_accept"] = runtime_paths.dspark_acceptance(ck, quick, cores)
+        m.update(runtime_paths.dspark_acceptance(ck, quick, cores))
     except (OSError, ValueError, RuntimeError) as e:
-        m["dspark_p_accept"] = _skipped(f"not measured: {e}")
+        m["dspark_p_accept"] = m["dspark_draft_s_per_token"] = _skipped(f"not measured: {e}")
     step("GPU")
     m.update(_gpu_figures(quick))
     step("PCIe")

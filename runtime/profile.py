@@ -21,7 +21,7 @@ HARD_FIELDS = ("cpu_model", "isa", "physical_cores", "numa_nodes", "ram_gib", "g
 SCALAR_KEYS = ("dram_stream_read_gbs", "pcie_h2d_gbs", "pcie_d2h_gbs", "pcie_gather_gbs", "moe_dispatch_fixed_us",
                "nvme_seq_read_gbs", "matmul_tflops")
 OPTIONAL_SCALARS = ("gpu_mem_gbs", "gpu_tflops", "dense_path_gbs", "dense_path_tflops", "step_other_s_per_layer",
-                    "shared_call_us", "engram_rows_s", "dspark_p_accept")
+                    "shared_call_us", "engram_rows_s", "dspark_p_accept", "dspark_draft_s_per_token")
 
 
 class ProfileError(ValueError):

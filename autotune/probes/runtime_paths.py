@@ -168,8 +168,10 @@ def fixed_costs(ck: Checkpoint, threads: int, repeats: int = 20, device: str | N
 
 
 def dspark_acceptance(ck: Checkpoint, quick: bool, threads: int, draft_length: int = 3) -> dict:
-    """The drafter's per-token acceptance on this checkpoint: greedy DSpark generations of natural-text
-    prompts through the runtime, each one's mean accepted drafts per step solved for p (terms.p_from_accepted)."""
+    """The drafter on this checkpoint, from greedy DSpark generations of natural-text prompts through the
+    runtime: {"dspark_p_accept": each one's mean accepted drafts per step solved for p
+    (terms.p_from_accepted), "dspark_draft_s_per_token": each one's drafter seconds per drafted token}
+    (skipped entries where the checkpoint has no drafter)."""
     from tokenizers import Tokenizer
 
     from autotune.terms import p_from_accepted
@@ -177,7 +179,7 @@ def dspark_acceptance(ck: Checkpoint, quick: bool, threads: int, draft_length: i
     from runtime.workload import make_prompts
     cfg, fp = ck.config, ck.footprint()
     if not cfg.dspark_num_layers:
-        return {"skipped": "the checkpoint has no DSpark drafter"}
+        return {k: {"skipped": "the checkpoint has no DSpark drafter"} for k in ("dspark_p_accept", "dspark_draft_s_per_token")}
     P, D, n = (32, 16, 1) if quick else (96, 32, 3)
     budget = probe_budget_bytes() // 2
     plan = Plan(cpu_threads=threads, max_context=P + D + 16, prefill_chunk=64, dspark=True, draft_length=draft_length,
@@ -186,12 +188,18 @@ def dspark_acceptance(ck: Checkpoint, quick: bool, threads: int, draft_length: i
     e = Engine(ck, plan, device="cpu")
     try:
         tok = Tokenizer.from_file(str(ck.root / "tokenizer.json"))
-        ps = [p_from_accepted(e.generate(p, D).dspark["mean_accepted"], draft_length) for p in make_prompts(tok, P, n, seed=5)]
+        prompts = make_prompts(tok, P, n, seed=5)
+        e.generate(prompts[0], 4)                                      # warm: compile, page the drafter in (not timed)
+        runs = [e.generate(p, D).dspark for p in prompts]
     finally:
         e.close()
-    return _fig(Measurement(tuple(ps), "per token", note=f"greedy DSpark, draft length {draft_length}, {n} prompts of {P} "
-                                                         f"tokens, {D} generated each"),
-                geometry=cfg.geometry_hash(), draft_length=draft_length)
+    note = f"greedy DSpark, draft length {draft_length}, {n} prompts of {P} tokens, {D} generated each"
+    ps = [p_from_accepted(r["mean_accepted"], draft_length) for r in runs]
+    per = [r["draft_s"] / r["drafted"] for r in runs if r["drafted"]]
+    kw = dict(geometry=cfg.geometry_hash(), draft_length=draft_length)
+    return {"dspark_p_accept": _fig(Measurement(tuple(ps), "per token", note=note), **kw),
+            "dspark_draft_s_per_token": _fig(Measurement(tuple(per), "s", note=note + f", {threads} threads"), threads=threads, **kw)
+            if per else {"skipped": "no token was drafted"}}
 
 
 def routing(ck: Checkpoint, quick: bool, threads: int) -> dict:

@@ -429,3 +429,29 @@ def test_the_kernels_flops_at_a_width_between_two_measured_ones_is_interpolated(
     assert at(6, threads=1) == pytest.approx(900.0)                                     # measured there
     assert at(6, threads=4) == pytest.approx(900.0)   # not measured at 4: the best thread count's own widths, never scaled up
     assert cpu_moe_flops(prof, "h", 2, 2)[0] / 1e9 == pytest.approx(5.0)
+
+
+def test_the_draft_term_is_the_drafters_measured_cost_on_this_cpu_host_else_its_formula(epyc, v41):
+    """The profiler times the drafter per drafted token through the runtime (beside its acceptance); on a
+    CPU host at that geometry and thread count a DSpark step's draft term is n x d of it, named as
+    measured; at another thread count, another geometry or on a GPU host, the formula."""
+    cpu = copy.deepcopy(epyc)
+    cpu["host"]["hard"].update(gpu_name="", gpu_vram_gib=0)
+    cores = int(cpu["host"]["hard"]["physical_cores"])
+    fig = {"median": 0.05, "unit": "s", "source": "measured", "samples": [0.05], "geometry": v41.geometry_hash,
+           "draft_length": 3, "threads": cores}
+    wl, plan = Workload(1024, 64), Plan(moe_strategy="cpu", dspark=True, draft_length=4, max_context=32768)
+    formula = predict(plan, cpu, v41, wl)
+    cpu["measurements"]["dspark_draft_s_per_token"] = fig
+    measured = predict(plan, cpu, v41, wl)
+    a = measured.terms["dspark_accepted"]
+    assert measured.raw["decode"]["draft"] * a == pytest.approx(4 * 0.05)
+    assert "dspark_draft_s_per_token [measured" in measured.sources["draft"] and "formula" in formula.sources["draft"]
+    assert measured.raw["decode"]["draft"] != pytest.approx(formula.raw["decode"]["draft"])
+    for other in (dict(fig, threads=cores + 1), dict(fig, geometry="another")):
+        cpu["measurements"]["dspark_draft_s_per_token"] = other
+        assert predict(plan, cpu, v41, wl).raw["decode"]["draft"] == pytest.approx(formula.raw["decode"]["draft"])
+    gpu = copy.deepcopy(epyc)
+    gpu["measurements"]["dspark_draft_s_per_token"] = fig
+    off = Plan(moe_strategy="offload", slot_cache_experts=64, host_expert_budget_gib=100.0, dspark=True, draft_length=4)
+    assert "formula" in predict(off, gpu, v41, wl).sources["draft"]

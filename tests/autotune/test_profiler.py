@@ -61,6 +61,9 @@ def test_quick_profile_is_complete_and_valid(quick_profile, tiny_dir):
     assert r["geometry"] == p["host"]["soft"]["geometry_hash"] and r["decode_tokens"] > 0
     assert r["lru_hit"][0] == 0 and r["lru_hit"][-1] == 1 and r["static_hit"][-1] == 1
     assert r["union"]["1"] == 4 and 4 < r["union"]["2"] <= 8
+    acc, dr = m["dspark_p_accept"], m["dspark_draft_s_per_token"]   # the drafter, from the same DSpark generations
+    assert 0 <= acc["median"] < 1 and dr["median"] > 0 and dr["geometry"] == acc["geometry"] == r["geometry"]
+    assert dr["threads"] >= 1 and dr["draft_length"] == acc["draft_length"]
     assert not list(tiny_dir.parent.glob(".dsv41-probe-*")) and not list(tiny_dir.glob("*probe*"))   # scratch removed
     assert all(len(e["samples"]) >= 3 and e["min"] <= e["iops"] <= e["max"] for e in m["nvme_randread_4k"])
     from autotune.probes.nvme import engines_here                # each engine this host opens, at every depth
