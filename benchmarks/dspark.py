@@ -128,15 +128,15 @@ def main(argv=None):
 def compare_logits(engine, plans, prompts, n):
     """{draft length: median over steps of the largest logit difference from DSpark off, and per prompt where
     the tokens first part and DSpark off's top-2 margin there}, from one untimed run each with its logits."""
+    engine.plan = plans[0]
+    refs = [engine.generate(p, n, keep_logits=True) for p in prompts]
     out = {}
     for d, plan in plans.items():
         if d == 0:
             continue
         diffs, parts = [], []
-        for p in prompts:
-            engine.plan = plans[0]
-            ref = engine.generate(p, n, keep_logits=True)
-            engine.plan = plan
+        engine.plan = plan
+        for p, ref in zip(prompts, refs):
             got = engine.generate(p, n, keep_logits=True)
             first = next((i for i, (a, b) in enumerate(zip(got.tokens, ref.tokens)) if a != b), None)
             diffs += [(a - b).abs().max().item() for a, b in list(zip(got.logits, ref.logits))[:first]]

@@ -32,16 +32,16 @@ from kernels.stream import dram_stream_read
 L2_ROWS = 384                                 # 1 MB of rows: half an L2 of 1 MiB a core on 2 threads, 6 chunks
 
 
-def gemv(R, T, mode=MODE, K=H):
-    """A fresh GEMV: rows row0..row0+n-1 of K weights, R adjacent rows a call against T inputs; out [T, n]."""
+def gemv(R, T, mode=MODE, K=H, dot=fp4_i8_dot):
+    """A fresh GEMV: rows row0..row0+n-1 of K weights, R adjacent rows a call against T inputs, through `dot`
+    (the package's intrinsic, or a lab copy of it); out [T, n]."""
     @njit(parallel=True, nogil=True)
     def f(w, s, x, out, row0, n):
         xq, xc, xr = x
         for c in prange(n // ROWS_PER_CHUNK):
             for i in range(0, ROWS_PER_CHUNK, R):
                 r = row0 + c * ROWS_PER_CHUNK + i
-                fp4_i8_dot(R, T, mode, w, r * (K // 2), K // 2, s, r * (K // 32), K // 32, xq, xc, xr, 0, K,
-                           out, r - row0, n, 1)
+                dot(R, T, mode, w, r * (K // 2), K // 2, s, r * (K // 32), K // 32, xq, xc, xr, 0, K, out, r - row0, n, 1)
     return f
 
 

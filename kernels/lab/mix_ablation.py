@@ -15,7 +15,7 @@ first input's vectors, so one input's loads serve all and fewer registers are li
 kernels/fp4_i8.py's text with one edit, executed as a module of its own; an edit that no longer finds its
 text stops the lab (the test holds them to the package's source). Rows in order, T inputs, 5120- or
 2304-wide rows, in L2 (a few hundred rows over and over; one thread keeps them in its own L2) or with
---dram from a bank of fresh rows; GMAC/s and each copy's per-round ratio to the package's loop.
+--dram from a bank of fresh rows (4x the total LLC, at least 1 GB, within the probe memory budget); GMAC/s and each copy's per-round ratio to the package's loop.
 """
 from __future__ import annotations
 
@@ -25,10 +25,11 @@ import types
 from pathlib import Path
 
 import numpy as np
-from numba import njit, prange
 
+from hostinfo import llc_bytes, probe_budget_bytes
 from kernels import fp4_i8 as fi
 from kernels.cpu_moe import MODE, ROWS_PER_CHUNK, _prepare, random_bytes
+from kernels.lab.fp4_row_pairs import gemv
 from kernels.threads import set_threads
 
 _FMA = "builder.store(builder.call(st.fma, [f, builder.fmul(ws, xs), builder.load(accs[r][j])]), accs[r][j])\n\n"
@@ -63,18 +64,6 @@ def kernel(part: str | None):
     return mod.fp4_i8_dot
 
 
-def gemv(dot, R: int, T: int, K: int):
-    """Rows row0..row0+n-1 (K weights each, in order), R adjacent rows a call against T inputs: out [T, n]."""
-    @njit(parallel=True, nogil=True)
-    def f(w, s, x, out, row0, n):
-        xq, xc, xr = x
-        for c in prange(n // ROWS_PER_CHUNK):
-            for i in range(0, ROWS_PER_CHUNK, R):
-                r = row0 + c * ROWS_PER_CHUNK + i
-                dot(R, T, MODE, w, r * (K // 2), K // 2, s, r * (K // 32), K // 32, xq, xc, xr, 0, K, out, r - row0, n, 1)
-    return f
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", nargs="+", default=["2x4", "2x8"], help="R x T: rows and inputs a call")
@@ -91,7 +80,12 @@ def main(argv=None):
         raise SystemExit(f"--k: weights a row must be a multiple of 32, got {K}")
     rng = np.random.default_rng(0)
     rows = 4608 if args.dram else max(ROWS_PER_CHUNK, (768 * 2304 // K) // ROWS_PER_CHUNK * ROWS_PER_CHUNK)
-    span = max(1, int(1e9 // (rows * K * 17 // 32))) if args.dram else 1
+    span = 1
+    if args.dram:                                   # 4x the total LLC, at least 1 GB, within the probe memory budget
+        want, budget = max(4 * llc_bytes(), 10**9), probe_budget_bytes()
+        span = max(1, min(want, budget) // (rows * K * 17 // 32))
+        if budget < 4 * llc_bytes():
+            print(f"note: the probe memory budget ({budget / 2**20:.0f} MiB) keeps the bank under 4x the last-level cache")
     w = random_bytes(rng, (span * rows * K // 2,))
     s = rng.integers(118, 130, span * rows * K // 32, dtype=np.uint8)
     set_threads(args.threads)
@@ -105,7 +99,7 @@ def main(argv=None):
         out = np.empty(T * rows, np.float32)
         fs = {}
         for p in parts:
-            fs[p] = gemv(kernel(p), R, T, K)
+            fs[p] = gemv(R, T, K=K, dot=kernel(p))
             fs[p](w, s, x, out, 0, rows)                            # compile
         got = {p: [] for p in parts}
         for rnd in range(args.rounds):

@@ -29,7 +29,7 @@ def _run(dot):
     w, s = random_bytes(rng, (ROWS_PER_CHUNK * K // 2,)), rng.integers(118, 130, ROWS_PER_CHUNK * K // 32, dtype=np.uint8)
     x = tuple(a.reshape(-1) for a in _prepare(rng.standard_normal((T, K)).astype(np.float32), np.arange(T)))
     out = np.empty(T * ROWS_PER_CHUNK, np.float32)
-    ma.gemv(dot, R, T, K)(w, s, x, out, 0, ROWS_PER_CHUNK)
+    ma.gemv(R, T, K=K, dot=dot)(w, s, x, out, 0, ROWS_PER_CHUNK)
     return out
 
 
