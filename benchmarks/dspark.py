@@ -9,12 +9,13 @@ configuration: decode tok/s (median and spread over prompts x repeats), the spee
 measured in the same run, acceptance (accepted / drafted), mean accepted drafts per verify step, the
 drafter's and the verify pass's cost per step beside one plain decode step, the expert union a verify
 batch reads per MoE layer, and routed-expert bytes read per generated token (the drafter's own
-experts separately). Greedy output is compared with DSpark off for every prompt: on the float32 runtime a
-verify pass sums in another order than one-token decode (the int8 requantization of each expert input
-can move a code by one step, tests/runtime/test_dspark.py), so after the timed runs one untimed run per
-prompt and draft length keeps its logits: the typical (median) step's largest logit difference from
-DSpark off, and where the tokens first part, DSpark off's top-2 margin there (a near-tie parts on float
-noise; a wide margin would be a verify bug).
+experts separately). Greedy output is compared with DSpark off for every prompt: after the timed runs one
+untimed run per prompt and draft length keeps its logits: the typical (median) step's largest logit
+difference from DSpark off, and where the tokens first part, DSpark off's top-2 margin there. On the
+fused CPU path a verify block's rows are one-token decode's to the bit (runtime/model/decode.py), so
+both are 0 and nothing parts; where a verify pass runs as a block (tests/runtime/test_dspark.py) the
+int8 requantization of each expert input can move a code by one step, and a near-tie parts on float
+noise (a wide margin would be a verify bug).
 """
 from __future__ import annotations
 

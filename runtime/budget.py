@@ -134,19 +134,26 @@ def forward_shared_bytes(plan: Plan, fp: Footprint, itemsize: int = 4) -> int:
     """What one forward's layers share (runtime/model/transformer.py `fw`): the RoPE tables of its
     positions [T, C/2] x 2 and a decode batch's rows (keys and values [S, k + R + 1, C]: the selected
     rows, then each layer's visible window keys; R = window - 1 + spare ring slots)."""
-    S, C, k = plan.max_num_seqs, fp.kv_lora_rank, fp.index_topk
+    S, C, k = max(plan.max_num_seqs, fused_rows(plan)), fp.kv_lora_rank, fp.index_topk
     R = fp.window_size - 1 + spare(plan)
     return step_tokens(plan) * C * itemsize + S * (k + R + 1) * 2 * C * itemsize
 
 
+def fused_rows(plan: Plan) -> int:
+    """The most rows a fused decode step takes (runtime/model/transformer.py `_fused_step`): each running
+    sequence's next token, or with DSpark its verify block of draft_length + 1, at most
+    decode_layer.MAX_ROWS in all (a wider step takes the unfused path)."""
+    from kernels.decode_layer import MAX_ROWS       # here: the kernels bring numba and torch, this module stays light
+    return min(plan.max_num_seqs * (spare(plan) + 1), MAX_ROWS)
+
+
 def decode_work_bytes(plan: Plan, fp: Footprint) -> int:
     """The fused decode's intermediates (runtime/model/decode.py `Work`), held by the model between
-    forwards for its last decode width S <= min(max_num_seqs, decode_layer.MAX_ROWS), per row: a, m [H],
+    forwards for its last decode width S <= `fused_rows` (rows: tokens and verify blocks), per row: a, m [H],
     q, o [Hq C], ql [q], cw, kn, lat [C], the RoPE tables [C] (cos, sin: C/2 each), qi [Hi Di], wh [Hi],
     ik [Di] floats, ids, wts [K] (12 B) and each index layer's top rows [k] (ids and flags, 9 B). Its
     decode buffers are `forward_shared_bytes`' rows."""
-    from kernels.decode_layer import MAX_ROWS       # here: the kernels bring numba and torch, this module stays light
-    S = min(plan.max_num_seqs, MAX_ROWS)
+    S = fused_rows(plan)
     H, C, HqC = fp.hidden_size, fp.kv_lora_rank, fp.num_attention_heads * fp.kv_lora_rank
     floats = 2 * H + 2 * HqC + fp.q_lora_rank + 4 * C + fp.index_n_heads * (fp.index_head_dim + 1) + fp.index_head_dim
     return S * (4 * floats + 12 * fp.top_k + 9 * fp.index_topk * len(fp.index_ratios))

@@ -1,11 +1,14 @@
 """A decode step's layers in a few numba calls each (kernels/decode_layer.py), on the CPU.
 
-Model._forward_many takes this path when every sequence of the step gives one token (decode, a decode
-batch of at most decode_layer.MAX_ROWS rows), the model is float32 on the CPU and every layer's weights
-are held as FP8 / BF16 that the SIMD GEMVs take (`FusedLayer.make` -> None otherwise). Per layer:
-`attn_in`, one `attend_one` per sequence, `attn_out`, then the MoE call (and an Engram layer held in
-memory, a decoder kv source: one call each). The same kernels on the same rows as the unfused path:
-the same bits (tests/runtime/test_decode_fused.py), ~20 fewer Python-level calls a layer between two
+Model._forward_many takes this path when every sequence of the step gives one token or a DSpark verify
+block (decode, a decode batch: at most decode_layer.MAX_ROWS rows), the model is float32 on the CPU and
+every layer's weights are held as FP8 / BF16 that the SIMD GEMVs take (`FusedLayer.make` -> None
+otherwise). Per layer: `attn_in`, one `attend_one` per row (a verify block's rows in order: each
+attends over the window its predecessors wrote, as one-token decode does), `attn_out`, then the MoE
+call (and an Engram layer held in memory, a decoder kv source: one call each). The same kernels on the
+same rows as the unfused path: the same bits for one-token rows (tests/runtime/test_decode_fused.py);
+a verify block's row gets the bits one-token decode gets at its position (tests/runtime/test_dspark.py),
+which the unfused path's block attention does not. ~20 fewer Python-level calls a layer between two
 MoE reads, each of which costs 10-80 us there (kernels/lab/README.md, "a fourth session").
 What a layer computes besides its output is consumed within the layer (or, an index layer's top rows,
 within the forward), so those buffers (`Work`, runtime/budget.py decode_work_bytes) are made for the
@@ -143,32 +146,33 @@ class FusedDecode:
         self.cfg, self.layers, self.work, self.inv_freq = cfg, layers if all(layers) else None, None, inv_freq
 
     def begin(self, segs, rows: int, fw) -> bool:
-        """A decode step of len(segs) one-token sequences, decode buffers of `rows` rows: fw's work and
-        its positions' RoPE tables (`rope_np`). -> False where the layers do not fit."""
+        """A decode step of `segs` (a sequence's next token, or its DSpark verify block: rows sg.a..sg.b-1
+        at positions st.pos, st.pos + 1, ...), decode buffers of `rows` rows: fw's work and its positions'
+        RoPE tables (`rope_np`). -> False where the layers do not fit."""
         if self.layers is None:
             return False
-        S, c = len(segs), self.cfg
+        S, c = segs[-1].b, self.cfg
         if self.work is None or self.work.kv[0].shape[:2] != (S, rows):   # one width held (runtime/budget.py)
             self.work = None                                              # the old freed before the new
             self.work = Work.make(S, work_shapes(c), (rows, c.kv_lora_rank))
         fw["work"] = self.work
         fw["rope_np"] = self.work.n["cos"], self.work.n["sin"]
-        norms.rope_tables(np.array([sg.st.pos for sg in segs], np.int64), self.inv_freq, *fw["rope_np"])
+        norms.rope_tables(np.array([p for _, p, _ in decode_rows(segs)], np.int64), self.inv_freq, *fw["rope_np"])
         return True
 
     def attention(self, segs, i, sel, fw) -> np.ndarray:
-        """Model._attention for a fused decode step: each sequence's query in one call
-        (kernels/decode_layer.py attend_one, the window's write included). sel[j][x] holds the top
-        rows' count k; their ids sit in the step's buffers of index layer x. -> [S, Hq, C] (numpy)."""
+        """Model._attention for a fused decode step: each row's query in one call (kernels/decode_layer.py
+        attend_one, the window's write included), a verify block's rows in order, so each sees the
+        window as one-token decode left it. sel[j][x] holds row j's top rows' count k; their ids sit in
+        the step's buffers of index layer x. -> [S, Hq, C] (numpy)."""
         c, n = self.cfg, fw["work"].n
         glob = c.layer_mode(i) != "window"
         xs = c.index_source_of(i) if glob else None
         K, V = fw["work"].kv
         key = (c.kv_source_of(i), xs) if glob else None
         fresh = glob and fw.get("rows", (None,))[0] != key
-        n_rows = list(fw["rows"][1]) if glob and not fresh else [0] * len(segs)
-        for j, sg in enumerate(segs):
-            st, p = sg.st, sg.st.pos
+        n_rows = list(fw["rows"][1]) if glob and not fresh else [0] * len(sel)
+        for st, p, j in decode_rows(segs):
             n_vis, ix = -1, NO_INDEX
             if xs == i:                         # the indexer, over this sequence's rows
                 src = st.sources[c.kv_source_of(i)]
@@ -192,6 +196,11 @@ class FusedDecode:
         if fresh:
             fw["rows"] = key, n_rows
         return n["o"]
+
+
+def decode_rows(segs):
+    """A fused step's rows in order: (state, position, row) for each sequence's tokens."""
+    return [(sg.st, sg.st.pos + t, sg.a + t) for sg in segs for t in range(sg.b - sg.a)]
 
 
 def work_shapes(cfg) -> dict:

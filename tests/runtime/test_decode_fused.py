@@ -157,15 +157,39 @@ def test_rope_tables_on_the_cpu_against_the_torch_form(dtype):
         assert float((got.double() - ref).abs().max()) <= eps
 
 
-@pytest.mark.parametrize("seqs", [1, 4, 64])
-def test_the_held_intermediates_are_what_the_budget_counts(tiny_dir, full_skeleton, seqs):
+@pytest.mark.parametrize("seqs,draft", [(1, 0), (4, 0), (64, 0), (1, 3), (2, 5), (4, 3)])
+def test_the_held_intermediates_are_what_the_budget_counts(tiny_dir, full_skeleton, seqs, draft):
+    """The widest fused step: a token per sequence, or with DSpark a verify block of draft + 1 rows per
+    sequence, at most decode_layer.MAX_ROWS rows."""
     from runtime.budget import decode_work_bytes
     from runtime.model.decode import Work, work_shapes
     for d in (tiny_dir, full_skeleton):
         ck = Checkpoint(d)
-        plan = Plan(max_num_seqs=seqs)
-        S = min(seqs, decode_layer.MAX_ROWS)
+        plan = Plan(max_num_seqs=seqs, dspark=bool(draft), draft_length=draft or 2)
+        S = min(seqs * (draft + 1), decode_layer.MAX_ROWS)
         assert decode_work_bytes(plan, ck.footprint()) == Work.make(S, work_shapes(ck.config)).nbytes() > 0
+
+
+def test_a_verify_block_holds_what_the_budget_counts(tiny_dir, monkeypatch):
+    """A DSpark run on the fused path: the intermediates and decode buffers it holds for its verify
+    blocks are within the plan's counts (decode_work_bytes, forward_shared_bytes' rows)."""
+    from runtime import budget
+    from runtime.model.decode import Work
+    held = []
+    make = Work.make.__func__
+    monkeypatch.setattr(Work, "make", classmethod(lambda cls, *a: held.append(make(cls, *a)) or held[-1]))
+    ck = Checkpoint(tiny_dir)
+    plan = Plan(moe_strategy="cpu", dspark=True, draft_length=4)
+    e = Engine(ck, plan)
+    try:
+        e.generate(_prompt(ck.config, 30), 12)
+    finally:
+        e.close()
+    fp = ck.footprint()
+    assert max(w.kv[0].shape[0] for w in held) == 5                    # a verify block's 5 rows, fused
+    assert max(w.nbytes() for w in held) <= budget.decode_work_bytes(plan, fp)
+    rows = budget.forward_shared_bytes(plan, fp) - budget.step_tokens(plan) * fp.kv_lora_rank * 4
+    assert max(sum(a.nbytes for a in w.kv) for w in held) <= rows
 
 
 def test_engram_read_from_nvme_stays_a_read_in_the_fused_step(tiny_dir, monkeypatch):

@@ -3,17 +3,21 @@ the target's distribution.
 
 Lossless is checked twice. On the float64 reference engine the verify pass computes what one-token
 decode computes up to float64 rounding, so tokens and logits must agree to 1e-9: any slip in the
-draft, verify or rollback bookkeeping shows. On the placed float32 runtime (what serves) a verify
-block sums in another order than one-token decode, and the CPU-MoE kernel quantizes each expert input
-to int8 per 32 values: a ~1e-7 difference that lands on a rounding midpoint moves one code by one step
-(measured on an AMX Xeon: one step of one prompt moved its logits by 3.7e-3, the rest by ~1e-6).
-There the tokens must match (within the greedy-margin rule) and the typical step must agree to float
-noise."""
+draft, verify or rollback bookkeeping shows. On the placed float32 runtime (what serves) the fused
+decode path (runtime/model/decode.py) takes a verify block's rows one by one through the kernels
+one-token decode uses, so tokens and every step's logits must be the same to the bit. Where that path
+does not run (no SIMD GEMVs, or a step wider than decode_layer.MAX_ROWS) a verify block sums in another
+order than one-token decode, and the CPU-MoE kernel quantizes each expert input to int8 per 32 values:
+a ~1e-7 difference that lands on a rounding midpoint moves one code by one step (measured on an AMX
+Xeon: one step of one prompt moved its logits by 3.7e-3, the rest by ~1e-6; on mini the median step by
+3.3e-2, parting greedy output at top-2 margins of 5.6e-3 and 1.1e-1). There the tokens must match
+(within the greedy-margin rule) and the typical step must agree to float noise."""
 import pytest
 import torch
 from tokenizers import Tokenizer
 
 from runtime.engine import Engine, verify_drafts
+from runtime.model import transformer
 from runtime.plan import Plan
 from runtime.workload import make_prompt
 
@@ -35,8 +39,14 @@ def plain(tiny_dir, prompts):
 
 @pytest.fixture(scope="module")
 def plain32(tiny_dir, prompts):
+    """Plain decode on the float32 runtime; each result's `fused`: whether its decode steps took the fused
+    path (runtime/model/decode.py)."""
     e = Engine(tiny_dir, Plan())
-    return [e.generate(p, N, keep_logits=True) for p in prompts]
+    out = [e.generate(p, N, keep_logits=True) for p in prompts]
+    for o in out:
+        o.fused = e.model.fused is not None and e.model.fused.layers is not None
+    e.close()
+    return out
 
 
 def _oracle(engine, greedy_tokens, wrong_every=0):
@@ -81,15 +91,30 @@ def test_greedy_verification_is_lossless(tiny_dir, prompts, plain, drafter, draf
 
 
 @pytest.mark.parametrize("draft_length", [1, 3])
-def test_the_placed_runtime_verifies_losslessly(tiny_dir, prompts, plain32, draft_length):
-    """float32, the served path (module docstring): greedy tokens as plain decode's, where they part
-    the reference's top-2 margin was inside 20x the runtime's tolerance (compared up to there); the
-    median step's logits within 1e-5."""
+def test_the_placed_runtime_verifies_losslessly(tiny_dir, prompts, plain32, draft_length, monkeypatch):
+    """float32, the served path (module docstring). Where the fused decode runs (it ran for plain decode
+    too), every verify block takes it and the tokens and every step's logits are plain decode's to the
+    bit. Elsewhere the greedy tokens are plain decode's where they part the reference's top-2 margin was
+    inside 20x the runtime's tolerance (compared up to there); the median step's logits within 1e-5."""
+    fused, blocks = [], []
+    step = transformer.Model._fused_step
+
+    def spy(self, segs, fw):
+        ok = step(self, segs, fw)
+        if segs[-1].b > 1:
+            blocks.append(segs[-1].b)
+            fused.append(ok)
+        return ok
+    monkeypatch.setattr(transformer.Model, "_fused_step", spy)
     e = Engine(tiny_dir, Plan(dspark=True, draft_length=draft_length))
-    diffs = []
+    diffs, exact = [], plain32[0].fused
     for prompt, ref in zip(prompts, plain32):
         out = e.generate(prompt, N, keep_logits=True)
         assert out.dspark["steps"] > 0 and out.dspark["accepted"] > 0
+        if exact:
+            assert out.tokens == ref.tokens
+            assert len(out.logits) == len(ref.logits) == N and all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
+            continue
         for k, (a, b) in enumerate(zip(out.logits, ref.logits)):
             diffs.append((a - b).abs().max().item())
             if out.tokens[k] != ref.tokens[k]:
@@ -97,7 +122,11 @@ def test_the_placed_runtime_verifies_losslessly(tiny_dir, prompts, plain32, draf
                 assert float(top[0] - top[1]) <= 20 * TOL, (len(prompt), k)
                 break
     e.close()
-    assert len(diffs) >= N and sorted(diffs)[len(diffs) // 2] < 1e-5, diffs
+    assert blocks and draft_length + 1 in blocks          # the verify blocks (and the prompts) seen
+    if exact:                                              # every verify block fused (the prompts are not)
+        assert all(ok for b, ok in zip(blocks, fused) if b <= draft_length + 1)
+    else:
+        assert len(diffs) >= N and sorted(diffs)[len(diffs) // 2] < 1e-5, diffs
 
 
 def test_speculative_sampling_keeps_the_target_distribution():
