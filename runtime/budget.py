@@ -79,11 +79,12 @@ def indexer_bound_bytes(plan: Plan, fp: Footprint) -> int:
 
 def attention_scratch_bytes(plan: Plan, fp: Footprint, itemsize: int = 4) -> int:
     """One attention block's temporaries (runtime/model/attention.py attend), chunk and context aside:
-    window keys and values [N, C] x 2 with N = R + Q_BLOCK + window - 1; scores over N + index_topk
-    keys x 3 (scores, concatenated, softmax); the block's gathered rows [B, k, C] x 3 (values, roped
-    keys, the rope's halves)."""
+    window keys and values [N, C] x 2 with N = (window - 1) + Q_BLOCK + window - 1 (the ring's visible
+    positions, gathered: never its spare slots); scores over N + index_topk keys x 3 (scores,
+    concatenated, softmax); the block's gathered rows [B, k, C] x 3 (values, roped keys, the rope's
+    halves)."""
     B, C, k = Q_BLOCK, fp.kv_lora_rank, fp.index_topk
-    N = fp.window_size - 1 + spare(plan) + B + fp.window_size - 1
+    N = fp.window_size - 1 + B + fp.window_size - 1
     return (2 * N * C + 3 * B * fp.num_attention_heads * (N + k) + 3 * B * k * C) * itemsize
 
 

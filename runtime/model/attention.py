@@ -1,9 +1,10 @@
 """CSA2 attention over what SeqState keeps, tiled so that only the indexer's scores grow with
 chunk x context (runtime/budget.py prices each term; tests hold the two equal).
 
-attend: queries in blocks of Q_BLOCK; a block sees the ring's older positions, this forward's keys
-  from window-1 before the block to its end, and each query's selected compressed rows:
-  scores [Q_BLOCK, heads, R + Q_BLOCK + window - 1 + index_topk], whatever the chunk or context.
+attend: queries in blocks of Q_BLOCK; a block sees the window's earlier positions (gathered from the
+  ring in position order), this forward's keys from window-1 before the block to its end, and each
+  query's selected compressed rows: scores [Q_BLOCK, heads, 2 (window - 1) + Q_BLOCK + index_topk],
+  whatever the chunk or context.
 select: an index layer scores every visible row in tiles of t = TILE_ELEMS / (T Hi) rows:
   relu(qi . ik) [T, Hi, t] -> weighted by wh -> score [T, n] (itemsize B per score: the only
   chunk x context term); a stable sort of Q_BLOCK queries at a time keeps the top k. One decode query
@@ -21,9 +22,6 @@ from kernels import decode_attn, indexer_top, window_keys
 from runtime.budget import Q_BLOCK, key_tile
 from runtime.model.kv import Compressed, Ring
 
-NEVER = -(1 << 62)        # a position no query sees
-
-
 def nbytes(*ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
@@ -34,8 +32,12 @@ def attend(q, pos, k_new, v_new, ring: Ring, window: int, glob=None):
     ok [B, k]) for queries b0..b1-1, or None. -> [T, Hq, C]."""
     T, C = len(pos), q.shape[-1]
     p0, scale = int(pos[0]), 1.0 / math.sqrt(C)
-    rk, rv = ring.data
-    rpos = torch.where((ring.pos >= 0) & (ring.pos < p0), ring.pos, NEVER)   # stale slots (rollback) hidden
+    # the earlier positions a query here can see, in position order: the same keys in the same order
+    # whatever the ring's size (its spare slots for a DSpark rollback), so DSpark on or off the prompt
+    # is attended to the bit; a rejected draft's stale slot is past p0 and never read
+    r0 = max(0, p0 - window + 1) if ring.R else p0
+    rk, rv = ring.get(r0, p0)
+    rpos = torch.arange(r0, p0, device=pos.device)
     out = torch.empty_like(q)
     for b0 in range(0, T, Q_BLOCK):
         b1 = min(T, b0 + Q_BLOCK)

@@ -74,3 +74,31 @@ def test_tiling_changes_no_output_and_the_formula_follows_it(tiny_dir, monkeypat
     for a, b in zip(tiled.logits, ref.logits):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert tiled.indexer_peak_bytes == budget.indexer_peak_bytes(e.ck.footprint(), 48, len(prompt)) < ref.indexer_peak_bytes
+
+
+@pytest.mark.parametrize("p0", [0, 5, 90])
+def test_a_prompt_chunk_attends_the_same_whatever_the_rings_spare_slots(p0):
+    """DSpark's rollback slots (a ring of window - 1 + spare) must not reach a prompt chunk's arithmetic:
+    the chunk sees the same earlier positions in the same order, so DSpark on or off the prompt's logits
+    are the same to the bit (at mini's width the softmax over the ring's masked slots once moved them by
+    ~1e-2)."""
+    g = torch.Generator().manual_seed(p0)
+    window, T, Hq, C = 32, 40, 8, 256
+    keys, vals = torch.randn(p0 + T, C, generator=g), torch.randn(p0 + T, C, generator=g)
+    q = torch.randn(T, Hq, C, generator=g)
+    pos = torch.arange(p0, p0 + T)
+    outs = []
+    for spare in (0, 2, 5):
+        ring = Ring(window - 1 + spare, (C, C), torch.float32, "cpu")
+        if p0:
+            ring.write(torch.arange(p0), keys[:p0], vals[:p0])
+        outs.append(attention.attend(q, pos, keys[p0:], vals[p0:], ring, window))
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    # and it is attention: against the masked softmax over each query's window, written out in float64
+    kd, vd = keys.double(), vals.double()
+    for t in (0, T // 2, T - 1):
+        p = p0 + t
+        lo = max(0, p - window + 1)
+        s = torch.einsum("hc,nc->hn", q[t].double(), kd[lo:p + 1]) / C ** 0.5
+        want = torch.softmax(s, -1) @ vd[lo:p + 1]
+        assert (outs[0][t].double() - want).abs().max() < 1e-5
