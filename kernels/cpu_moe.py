@@ -460,11 +460,24 @@ def _prepare_row(x, xq, xc, xr, sbb):
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _prepare(x, rows, sbb=SUPERBLOCK):
     """Inputs x[rows[a]] -> (xq int8 [A, K], xc int32 [A, K/8], xr f32 [A, K/8]) for this host's kernel
-    (sbb: its superblock bytes; 0 gives the layout without superblocks, the scalar path's)."""
+    (sbb: its superblock bytes; 0 gives the layout without superblocks, the scalar path's). A row of x
+    that `rows` names more than once (a token's top-k assignments) is quantized once, at its first
+    assignment, and copied to the others: the same bytes. A verify-8 step on V4.1's geometry (48
+    assignments of 8 tokens) quantized its gate / up inputs in 0.28 ms of a ~9.4 ms step this way 6x over."""
     A, K = len(rows), x.shape[1]
     xq, xc, xr = np.empty((A, K), np.int8), np.empty((A, K // 8), np.int32), np.empty((A, K // 8), np.float32)
-    for a in prange(A):
+    first = np.full(x.shape[0], -1, np.int64)
+    for a in range(A):
+        if first[rows[a]] < 0:
+            first[rows[a]] = a
+    once = first[first >= 0]
+    for u in prange(len(once)):
+        a = once[u]
         _prepare_row(x[rows[a]], xq[a], xc[a], xr[a], sbb)
+    for a in prange(A):
+        f = first[rows[a]]
+        if f != a:
+            xq[a], xc[a], xr[a] = xq[f], xc[f], xr[f]
     return xq, xc, xr
 
 

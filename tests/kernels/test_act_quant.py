@@ -68,6 +68,24 @@ def test_the_kernels_quantizer_is_quantize_act(x):
         assert np.array_equal(corr, OFFSET * per_entry[entry])
 
 
+@pytest.mark.parametrize("sbb", [0, 128, 256])
+def test_a_token_in_several_assignments_is_quantized_once_to_the_same_bytes(sbb):
+    """`_prepare` quantizes a row that several assignments name once and copies it: every assignment's
+    bytes are that row's own (prepared alone), whatever rows come before or after it."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((5, 640)).astype(np.float32)
+    rows = np.array([3, 0, 3, 3, 1, 0, 4, 3, 1], np.int64)                 # token 2: no assignment
+    K = x.shape[1]
+    g_sb = (K // 2 // sbb) * (sbb // 16) if sbb else 0           # blocks in superblocks: an entry each, else 4
+    used = g_sb + 4 * (K // 32 - g_sb)                            # xc / xr entries written (the rest: unused)
+    got = _prepare(x, rows, sbb)
+    for a, r in enumerate(rows):
+        alone = _prepare(x[r:r + 1], np.zeros(1, np.int64), sbb)
+        for g, w in zip(got, alone):
+            n = K if g.shape[1] == K else used                    # xq: every byte; xc, xr: the entries written
+            assert np.array_equal(g[a, :n], w[0, :n]), (a, r)
+
+
 def test_a_non_finite_input_block_reaches_the_output_as_nan():
     bank = Fp4Bank.random(4, 128, 64, seed=3)
     x = np.random.default_rng(0).standard_normal((2, 128)).astype(np.float32)
