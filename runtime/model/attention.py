@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from kernels.arrays import numpy_views
-from kernels import decode_attn, indexer_top, window_keys
+from kernels import decode_attn, window_keys
 from runtime.budget import Q_BLOCK, key_tile
 from runtime.model.kv import Compressed, Ring
 
@@ -32,12 +32,15 @@ def attend(q, pos, k_new, v_new, ring: Ring, window: int, glob=None):
     ok [B, k]) for queries b0..b1-1, or None. -> [T, Hq, C]."""
     T, C = len(pos), q.shape[-1]
     p0, scale = int(pos[0]), 1.0 / math.sqrt(C)
-    # the earlier positions a query here can see, in position order: the same keys in the same order
-    # whatever the ring's size (its spare slots for a DSpark rollback), so DSpark on or off the prompt
-    # is attended to the bit; a rejected draft's stale slot is past p0 and never read
-    r0 = max(0, p0 - window + 1) if ring.R else p0
-    rk, rv = ring.get(r0, p0)
-    rpos = torch.arange(r0, p0, device=pos.device)
+    # the earlier positions a query here can see that the ring holds (a bounded replay's decoder never
+    # computed those before its start), in position order: the same keys in the same order whatever the
+    # ring's size (its spare slots for a DSpark rollback), so DSpark on or off the prompt is attended
+    # to the bit; a rejected draft's stale slot is past p0 and never read
+    want = torch.arange(max(0, p0 - window + 1) if ring.R else p0, p0, device=ring.pos.device)
+    slot = want % max(ring.R, 1)
+    held = ring.pos[slot] == want
+    rk, rv = (d[slot[held]] for d in ring.data)
+    rpos = want[held].to(pos.device)
     out = torch.empty_like(q)
     for b0 in range(0, T, Q_BLOCK):
         b1 = min(T, b0 + Q_BLOCK)
