@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 import torch
 from numba import njit, prange, types

@@ -2,13 +2,11 @@
 latent_rows.py) against their torch forms, the ones a GPU runs (`numba_ok` False): the same greedy
 tokens, logits within float32 rounding (the indexer's and the attention's sums run in other orders;
 everything else is copies and elementwise ops of the same bits)."""
-import pytest
-import torch
-
 import kernels.arrays
+from kernels import decode_attn, indexer_top
 from runtime.checkpoint.reader import Checkpoint
 from runtime.engine import Engine
-from runtime.model import attention, kv
+from runtime.model import kv
 from runtime.plan import Plan
 
 
@@ -31,12 +29,12 @@ def test_the_torch_forms_decode_the_same(tiny_dir, monkeypatch):
     prompt = [(11 * k) % (c.vocab_size - 1) + 1 for k in range(60)]
     assert (len(prompt) + 1 - c.window_size) // max(c.compress_ratios[s] for s in c.kv_source_layers) > 0   # rows visible
     calls = {"select": 0, "attend": 0}
-    one, att = attention.indexer_top.select_one, attention.decode_attn.attend
+    one, att = indexer_top.select_one, decode_attn.attend
 
     def spy():
         calls.update(select=0, attend=0)
-        monkeypatch.setattr(attention.indexer_top, "select_one", lambda *a: calls.update(select=1) or one(*a))
-        monkeypatch.setattr(attention.decode_attn, "attend", lambda *a: calls.update(attend=1) or att(*a))
+        monkeypatch.setattr(indexer_top, "select_one", lambda *a: calls.update(select=1) or one(*a))
+        monkeypatch.setattr(decode_attn, "attend", lambda *a: calls.update(attend=1) or att(*a))
     spy()
     fast = _run(ck, prompt, monkeypatch, torch_forms=False)
     assert calls == {"select": 1, "attend": 1}                   # the numba forms ran
