@@ -256,7 +256,7 @@ class Engine:
             drafts, qs = draft_block(model, x1, hid, d, temperature, gen)
             t1 = time.perf_counter()
             base = st.pos
-            V = model.forward(st, [x1] + drafts)                   # [d+1, vocab]: V[j] predicts the token after
+            V = model.forward(st, [x1] + drafts, verify=True)      # [d+1, vocab]: V[j] predicts the token after
             t2 = time.perf_counter()
             a, z = verify_drafts(V, drafts, qs, temperature, gen)
             if keep is not None:

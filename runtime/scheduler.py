@@ -123,7 +123,8 @@ class Scheduler:
         with torch.inference_mode():
             batched = [(s, t) for s, t in work if not self._alone(s)]
             outs = dict(zip((s.rid for s, _ in batched),
-                            self.model.forward_many([s.state for s, _ in batched], [t for _, t in batched]))) if batched else {}
+                            self.model.forward_many([s.state for s, _ in batched], [t for _, t in batched],
+                                                    verify=[s.decoding for s, _ in batched]))) if batched else {}
             for s, t in work:
                 if self._alone(s):
                     dec = max(0, len(s.prompt) - self.engine.cfg.window_size)

@@ -89,11 +89,13 @@ def rope(x, pos, theta, tables=None):
 
 @dataclass
 class Seg:
-    """One sequence's tokens in a batched forward: rows a..b of the step's tensors, T tokens given."""
+    """One sequence's tokens in a batched forward: rows a..b of the step's tensors, T tokens given;
+    verify: a DSpark verify block (else a prompt chunk, or a decode token)."""
     st: SeqState
     a: int
     b: int
     T: int
+    verify: bool = False
 
 
 # A forward of at most this many tokens (decode steps, verify blocks, decode batches) runs torch's CPU
@@ -140,27 +142,31 @@ class Model:
         return linear(x, self.w[name + ".weight"], self.dtype)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, st: SeqState, tokens: list[int], decoder_start: int = 0) -> torch.Tensor | None:
+    def forward(self, st: SeqState, tokens: list[int], decoder_start: int = 0, verify: bool = False) -> torch.Tensor | None:
         """Run `tokens` (the next positions of the sequence) through the model. The decoder runs only
-        for positions >= decoder_start. -> logits [T', V] of the positions the decoder ran, or None."""
-        return self.forward_many([st], [tokens], decoder_start)[0]
+        for positions >= decoder_start. verify: the tokens are a DSpark verify block (computed as
+        one-token decode computes them, where the fused path runs), not a prompt chunk. -> logits [T', V]
+        of the positions the decoder ran, or None."""
+        return self.forward_many([st], [tokens], decoder_start, [verify])[0]
 
-    def forward_many(self, states: list[SeqState], token_lists: list[list[int]], decoder_start: int = 0) -> list:
+    def forward_many(self, states: list[SeqState], token_lists: list[list[int]], decoder_start: int = 0,
+                     verify: list[bool] | None = None) -> list:
         """Several sequences' next tokens in one pass (continuous batching): the linears, the router and
         the experts run over all their tokens at once (each MoE layer reads the union of the step's
         experts once), attention over each sequence's own state (one-query segments together:
-        attention.attend_decode). One sequence is the plain
-        forward (decoder_start, bounded replay, only then). -> logits [T_s', V] per sequence."""
+        attention.attend_decode). One sequence is the plain forward (decoder_start, bounded replay,
+        only then). verify[s]: sequence s gives a DSpark verify block (`forward`). -> logits [T_s', V]
+        per sequence."""
         n = sum(len(t) for t in token_lists)
         with torch_threads(1 if n <= ONE_POOL_TOKENS else self.torch_threads):
-            return self._forward_many(states, token_lists, decoder_start)
+            return self._forward_many(states, token_lists, decoder_start, verify or [False] * len(states))
 
-    def _forward_many(self, states: list[SeqState], token_lists: list[list[int]], decoder_start: int = 0) -> list:
+    def _forward_many(self, states: list[SeqState], token_lists: list[list[int]], decoder_start: int, verify: list[bool]) -> list:
         c = self.cfg
         if decoder_start and len(states) > 1:
             raise ValueError("decoder_start (bounded replay) runs one sequence at a time")
         segs, pos, toks, row_parts, n0 = [], [], [], [], 0
-        for st, tokens in zip(states, token_lists):
+        for st, tokens, block in zip(states, token_lists, verify):
             T, p0 = len(tokens), st.pos
             if p0 + T > st.max_context:
                 raise ValueError(f"sequence of {p0 + T} tokens exceeds the plan's max_context {st.max_context}")
@@ -168,7 +174,7 @@ class Model:
             pos.append(torch.arange(p0, p0 + T, device=self.device))
             toks += tokens
             row_parts.append(self._engram_row_ids(st, p0, T))
-            segs.append(Seg(st, n0, n0 + T, T))
+            segs.append(Seg(st, n0, n0 + T, T, block))
             n0 += T
         pos, tok = torch.cat(pos), torch.tensor(toks, device=self.device)
         h = self.w["embed.weight"][tok].to(self.dtype)
@@ -257,12 +263,14 @@ class Model:
 
     def _fused_step(self, segs, fw) -> bool:
         """Whether this forward takes the fused decode calls (runtime/model/decode.py): every sequence
-        gives one token or a block its state can roll back (a DSpark verify block: at most spare + 1
-        tokens), at most decode_layer.MAX_ROWS rows in all, the model is float32 on the CPU with every
-        layer's weights in forms the calls take. Each row then computes what one-token decode computes
-        at its position, to the bit (the same kernels, row by row): greedy verification is lossless on
-        the runtime itself. Sets fw's buffers if so."""
-        if (not self.fuse_decode or segs[-1].b > MAX_ROWS or any(sg.b - sg.a > 1 + self._spare(sg.st) for sg in segs)
+        gives one token or a DSpark verify block its state can roll back (at most spare + 1 tokens; a
+        prompt chunk of several tokens keeps the block path, DSpark on or off), at most
+        decode_layer.MAX_ROWS rows in all, the model is float32 on the CPU with every layer's weights in
+        forms the calls take. Each row then computes what one-token decode computes at its position, to
+        the bit (the same kernels, row by row): greedy verification is lossless on the runtime itself.
+        Sets fw's buffers if so."""
+        if (not self.fuse_decode or segs[-1].b > MAX_ROWS
+                or any(sg.b - sg.a > 1 and (not sg.verify or sg.b - sg.a > 1 + self._spare(sg.st)) for sg in segs)
                 or self.device != "cpu" or self.dtype != torch.float32 or not hasattr(self.experts, "routed_np")):
             return False
         if self.fused is None:

@@ -189,3 +189,29 @@ def test_the_drafter_fit_is_the_ridge_solution_in_either_form(n, d, prior):
     B = torch.cat([Y, s * W0.T])
     ref = torch.linalg.lstsq(A, B).solution.T
     assert torch.allclose(W, ref, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("prompt_len", [1, 3, 4])
+def test_a_short_prompt_is_attended_as_with_dspark_off(tiny_dir, prompt_len, monkeypatch):
+    """A prompt of no more tokens than a verify block (draft_length + 1) is still a prompt: it takes the
+    block path DSpark on or off (only verify blocks take the fused rows), so its logits and the greedy
+    tokens after it are DSpark off's to the bit where the fused path runs (else within the margin rule's
+    float noise)."""
+    fused_multi = []
+    step = transformer.Model._fused_step
+    monkeypatch.setattr(transformer.Model, "_fused_step",
+                        lambda self, segs, fw: (ok := step(self, segs, fw)) and segs[-1].b > 1 and segs[0].st.pos == 0
+                        and fused_multi.append(segs[-1].b) or ok)
+    prompt = [7, 11, 13, 17][:prompt_len]
+    outs = []
+    for plan in (Plan(), Plan(dspark=True, draft_length=3)):
+        e = Engine(tiny_dir, plan)
+        outs.append(e.generate(prompt, 12, keep_logits=True))
+        fused = e.model.fused is not None and e.model.fused.layers is not None
+        e.close()
+    assert not fused_multi                                 # no prompt of several tokens took the verify rows
+    off, on = outs
+    if fused:
+        assert on.tokens == off.tokens and all(torch.equal(a, b) for a, b in zip(on.logits, off.logits))
+    else:
+        assert (on.logits[0] - off.logits[0]).abs().max() < TOL

@@ -121,7 +121,7 @@ def test_dspark_composes_each_sequences_drafts_verified_in_the_same_step(ck, wid
         sched = Scheduler(e)
         assert sched.speculative
         widths_seen = []
-        sched.model.forward_many = (lambda f: lambda states, toks, *a: widths_seen.append([len(t) for t in toks]) or f(states, toks, *a))(
+        sched.model.forward_many = (lambda f: lambda states, toks, *a, **kw: widths_seen.append([len(t) for t in toks]) or f(states, toks, *a, **kw))(
             sched.model.forward_many)
         run(sched, {0: seqs[:2], 2: seqs[2:]})
     finally:
