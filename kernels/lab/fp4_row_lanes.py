@@ -1,6 +1,6 @@
 """Lab: lanes as rows, as a numba intrinsic, beside the package's kernel in one process.
 
-  python -m kernels.lab.fp4_row_lanes [--threads 1 2] [--inputs 1 4 8] [--rounds 5] [--dram]
+  python -m kernels.lab.fp4_row_lanes [--threads 1 N] [--inputs 1 4 8] [--rounds 5] [--dram]
 
 kernels/lab/fp4_row_lanes.c measured the arithmetic in C. Here it is emitted as the package emits its
 kernel (LLVM IR through a numba intrinsic), on a bank repacked 16 rows at a time, and timed against
@@ -37,7 +37,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from hostinfo import llc_bytes, probe_budget_bytes
+from hostinfo import llc_bytes, probe_budget_bytes, usable_cores
 from kernels.cpu_moe import MODE, ROWS_PER_CHUNK, _prepare, random_bytes
 from kernels.fp4_i8 import LUT16
 from kernels.fp4_simd import _data_ptrs, _literal, prefetch_weights
@@ -142,7 +142,7 @@ def lanes_gemv(G, T):
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--threads", type=int, nargs="+", default=sorted({1, usable_cores()}))
     ap.add_argument("--inputs", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--groups", type=int, default=1, help="groups of 16 rows a call (an input's load serves all)")
     ap.add_argument("--k", type=int, default=2304)

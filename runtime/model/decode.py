@@ -148,7 +148,7 @@ class FusedDecode:
     def begin(self, segs, rows: int, fw) -> bool:
         """A decode step of `segs` (a sequence's next token, or its DSpark verify block: rows sg.a..sg.b-1
         at positions st.pos, st.pos + 1, ...), decode buffers of `rows` rows: fw's work and its positions'
-        RoPE tables (`rope_np`). -> False where the layers do not fit."""
+        RoPE tables (`rope_np`), its rows in order (`decode_rows`). -> False where the layers do not fit."""
         if self.layers is None:
             return False
         S, c = segs[-1].b, self.cfg
@@ -157,7 +157,8 @@ class FusedDecode:
             self.work = Work.make(S, work_shapes(c), (rows, c.kv_lora_rank))
         fw["work"] = self.work
         fw["rope_np"] = self.work.n["cos"], self.work.n["sin"]
-        norms.rope_tables(np.array([p for _, p, _ in decode_rows(segs)], np.int64), self.inv_freq, *fw["rope_np"])
+        fw["decode_rows"] = decode_rows(segs)
+        norms.rope_tables(np.array([p for _, p, _ in fw["decode_rows"]], np.int64), self.inv_freq, *fw["rope_np"])
         return True
 
     def attention(self, segs, i, sel, fw) -> np.ndarray:
@@ -172,7 +173,7 @@ class FusedDecode:
         key = (c.kv_source_of(i), xs) if glob else None
         fresh = glob and fw.get("rows", (None,))[0] != key
         n_rows = list(fw["rows"][1]) if glob and not fresh else [0] * len(sel)
-        for st, p, j in decode_rows(segs):
+        for st, p, j in fw["decode_rows"]:
             n_vis, ix = -1, NO_INDEX
             if xs == i:                         # the indexer, over this sequence's rows
                 src = st.sources[c.kv_source_of(i)]

@@ -263,14 +263,13 @@ class Model:
 
     def _fused_step(self, segs, fw) -> bool:
         """Whether this forward takes the fused decode calls (runtime/model/decode.py): every sequence
-        gives one token or a DSpark verify block its state can roll back (at most spare + 1 tokens; a
-        prompt chunk of several tokens keeps the block path, DSpark on or off), at most
-        decode_layer.MAX_ROWS rows in all, the model is float32 on the CPU with every layer's weights in
-        forms the calls take. Each row then computes what one-token decode computes at its position, to
-        the bit (the same kernels, row by row): greedy verification is lossless on the runtime itself.
-        Sets fw's buffers if so."""
-        if (not self.fuse_decode or segs[-1].b > MAX_ROWS
-                or any(sg.b - sg.a > 1 and (not sg.verify or sg.b - sg.a > 1 + self._spare(sg.st)) for sg in segs)
+        gives one token or a DSpark verify block (a prompt chunk of several tokens keeps the block path,
+        DSpark on or off), at most decode_layer.MAX_ROWS rows in all, the model is float32 on the CPU
+        with every layer's weights in forms the calls take. Each row then computes what one-token decode
+        computes at its position, to the bit (the same kernels, row by row, each writing its window
+        before the next attends): greedy verification is lossless on the runtime itself. Sets fw's
+        buffers if so."""
+        if (not self.fuse_decode or segs[-1].b > MAX_ROWS or any(sg.b - sg.a > 1 and not sg.verify for sg in segs)
                 or self.device != "cpu" or self.dtype != torch.float32 or not hasattr(self.experts, "routed_np")):
             return False
         if self.fused is None:
@@ -331,10 +330,6 @@ class Model:
             keys = rope(vals.reshape(-1, vals.shape[-1]), ((bi + 1) * r - 1).reshape(-1), theta).view_as(vals)
             return keys, vals, ok[b0:b1]
         return glob
-
-    def _spare(self, st) -> int:
-        """Positions st's rings keep for a rollback (SeqState.new's spare)."""
-        return st.windows[0].R - (self.cfg.window_size - 1) if st.windows else 0
 
     def _decode_rows(self, st) -> int:
         """Rows of a decode query's buffers: index_topk + R + 1, R the window ring's slots."""
