@@ -47,7 +47,7 @@ from kernels.stream import dram_stream_read, stream_buffer  # noqa: E402
 from kernels.int8_peak import measure_peak  # noqa: E402
 from kernels.probe_bank import ProbeTooLarge, bank_size, batch_ids, step_ids  # noqa: E402
 from runtime.config import ModelConfig  # noqa: E402
-from kernels.cpu_moe import DEFAULT_INPUTS, ISA, MODE, ROW_INPUTS, Fp4Bank, dequant_experts, expert_ffn, expert_ffn_dense  # noqa: E402
+from kernels.cpu_moe import DEFAULT_INPUTS, GROUP, ISA, MODE, ROW_INPUTS, Fp4Bank, dequant_experts, expert_ffn, expert_ffn_dense  # noqa: E402
 
 GEOMETRIES = {"v4.1": (5120, 2304), "v4-flash": (4096, 2048), "small": (2048, 768)}
 WIDTHS = (2, 4, 6, 8)                                  # DSpark verify / continuous batching
@@ -128,7 +128,7 @@ def peak_at(t):
     """A round's products' peak at t threads (kernels/int8_peak.py): the compute limit of wide calls, taken
     beside the stream in every round, as a VM's clock moves too (the Zen 4 VM read 183-363 GMAC/s
     in one hour)."""
-    return lambda n: measure_peak(MODE, t, seconds=0.1, repeats=2)
+    return lambda n: measure_peak(MODE, t, seconds=0.1, repeats=2, lanes=bool(GROUP))
 
 
 def stream_at(t, buf, note):
@@ -150,7 +150,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     steps, rounds = (8, 6) if args.quick else (args.steps, 12)
     rows, head = [], None
-    print(f"ISA {ISA}, LLC {llc_bytes() / 2**20:.0f} MiB, threads {args.threads}", flush=True)
+    print(f"ISA {ISA}, LLC {llc_bytes() / 2**20:.0f} MiB, threads {args.threads}; banks "
+          + (f"in lanes as rows ({GROUP} rows a vector, kernels/fp4_lanes.py)" if GROUP else "with rows in order (the superblock kernel)"), flush=True)
 
     layouts, peak = {}, None
     buf, buf_note = stream_buffer()                    # one buffer for every round's stream read (first touch once)
@@ -189,7 +190,7 @@ def main(argv=None):
         if name == "v4.1":
             t = max(args.threads)
             numba.set_num_threads(t)
-            peak = measure_peak(MODE, t) if MODE else None     # the products' roof of wide calls (kernels/int8_peak.py)
+            peak = measure_peak(MODE, t, lanes=bool(GROUP)) if MODE else None     # the products' roof of wide calls (kernels/int8_peak.py)
             print(f"int8 products at the kernel's mix, {t} threads: {peak.median / 1e9:.0f} GMAC/s "
                   f"(spread {peak.min / 1e9:.0f}-{peak.max / 1e9:.0f}; measured again in every round of the widths, "
                   f"each width held against its rounds' own)" if peak else
@@ -256,17 +257,17 @@ def main(argv=None):
                     rows.append(r)
                     print(f"{name:9s} prefill n={n:3d} {path:5s}: {r['gflops']:7.1f} GFLOP/s  {r['kernel_gbs']:6.2f} GB/s", flush=True)
             # dequantize alone (the dense path's first half)
-            m = measure(lambda: dequant_experts(bank.w13_codes, bank.w13_scales, [3]), repeats=5, warmup=1)
+            m = measure(lambda: dequant_experts(bank.w13_codes, bank.w13_scales, [3], bank.group), repeats=5, warmup=1)
             rows.append(row(geometry=name, shape=f"{H}x{I}", threads=t, path="dequant-w13",
                             kernel_gbs=gbs(m, bank.expert_bytes * 2 / 3), note="fp4 -> f32 tile, codes+scales read"))
         del bank
     head = head or next((r for r in rows if r.get("tokens") == 1 and "ratio" in r), None)   # V4.1's, else a smaller geometry's
     if head is None:
         print("no geometry's bank fits the probe memory budget: nothing measured", flush=True)
-        out = {"isa": ISA, "rows": rows}
+        out = {"isa": ISA, "bank_group": GROUP, "rows": rows}
     else:
         out = {"kernel_gbs": head["kernel_gbs"], "stream_gbs": head["stream_gbs"], "ratio": head["ratio"], "streams": head["streams"],
-               "threads": head["threads"], "isa": ISA, "rows": rows}
+               "threads": head["threads"], "isa": ISA, "bank_group": GROUP, "rows": rows}
     if peak:
         out["int8_peak_gmacs"] = round(peak.median / 1e9, 1)
     if args.json:

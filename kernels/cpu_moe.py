@@ -14,6 +14,10 @@ chunk is an exact knob); on the AMX Xeon VM it was also 16x slower at 16 tokens 
 Bank layout (built by the runtime at load; FreeToken's layout):
   w13_codes [E, 2I, H/2] u8, w13_scales [E, 2I, H/32] u8   rows 0..I-1 = gate (w1), I..2I-1 = up (w3)
   w2_codes  [E, H, I/2]  u8, w2_scales  [E, H, I/32]  u8   down
+with, on the paths in LANES_MODES, each GROUP rows' bytes repacked as lanes as rows (kernels/fp4_lanes.py:
+the same shapes and bytes, moved; `Fp4Bank.group`, `Fp4Bank.rows` gives them back in rows' order). Those
+paths run the lanes kernel for every width (decode, verify, prefill), so a token's output bits do not
+depend on what is beside it; the others run the superblock kernel (kernels/fp4_i8.py).
 Work is split over output rows: every output element is one ordered dot product and the expert sum
 runs in a fixed order (experts ascending), so the result is bit-identical for any thread count.
 The call releases the GIL (nogil) so the runtime can overlap it with other work.
@@ -32,6 +36,7 @@ from hostinfo import isa, l1d_bytes
 from kernels import ISA_CACHE
 from kernels.formats import dequantize_mxfp4, quantize_act
 from kernels.fp4_i8 import LUT16, OFFSET, ROWS_FIRST, fp4_i8_dot, superblock_bytes
+from kernels.fp4_lanes import fp4_lanes_dot, group_rows, to_lanes, to_rows
 from kernels.fp4_simd import E2M1, fp4_dequant
 from kernels.probe_bank import expert_bytes
 from kernels.threads import set_threads
@@ -40,6 +45,11 @@ ISA = isa()                  # the host's widest path, or $DSV41_CPU_ISA (hostin
 LANES = {"avx512vbmi": 16, "avx512vnni": 16, "avx512": 16, "avx2vnni": 8, "avx2": 8, "scalar": 0}[ISA]   # compile-time constants
 MODE = {"avx512vbmi": 4, "avx512vnni": 3, "avx512": 2, "avx2vnni": 5, "avx2": 1, "scalar": 0}[ISA]        # fp4_i8_dot's path
 SUPERBLOCK = superblock_bytes(MODE)                                      # the inputs' layout (kernels/fp4_i8.py)
+# The banks' layout on this path: lanes as rows (kernels/fp4_lanes.py), GROUP rows a vector, where it was
+# measured faster than the superblock kernel; 0 keeps rows in order. Zen 4 VM (AVX-512 VNNI + VBMI), 2
+# threads, V4.1 geometry (benchmarks/cpu_moe.py, kernels/lab/README.md "lanes as rows in the package").
+LANES_MODES = (4,)
+GROUP = group_rows(MODE) if MODE in LANES_MODES else 0
 # Compiled code is cached on disk for the host's path, and for a forced path where it has a cache
 # directory of its own (kernels/__init__.py); else a forced path (tests) compiles in memory, so no
 # directory ever holds two paths' code under the one key numba gives them (CPU name + features).
@@ -72,11 +82,14 @@ LUT_I32 = np.array(LUT16, dtype=np.int32)
 
 @dataclass(frozen=True)
 class Fp4Bank:
-    """A bank of E experts in ds_fp4 (see module docstring for shapes)."""
+    """A bank of E experts in ds_fp4 (see module docstring for shapes). group: the layout of its bytes, 0
+    for rows in order (the checkpoint's), R for lanes as rows (kernels/fp4_lanes.py; the shapes are the
+    same). The runtime builds its banks in this path's layout (`GROUP`: from_experts, random)."""
     w13_codes: np.ndarray
     w13_scales: np.ndarray
     w2_codes: np.ndarray
     w2_scales: np.ndarray
+    group: int = 0
 
     def __post_init__(self):
         E, I2, Hh = self.w13_codes.shape
@@ -91,6 +104,8 @@ class Fp4Bank:
                 raise ValueError(f"Fp4Bank.{k} must be C-contiguous")
         if H % 32 or I % 32:
             raise ValueError(f"hidden ({H}) and intermediate ({I}) must be multiples of 32")
+        if self.group not in (0, 8, 16):
+            raise ValueError(f"Fp4Bank.group must be 0 (rows in order), 8 or 16 (lanes as rows), got {self.group}")
 
     @property
     def n_experts(self) -> int:
@@ -110,23 +125,32 @@ class Fp4Bank:
         return expert_bytes(self.hidden, self.inter)
 
     @classmethod
-    def from_experts(cls, experts) -> "Fp4Bank":
-        """experts: list of dicts {w1, w2, w3: (codes u8, scales u8)} as stored in the checkpoint. Copied
-        once, straight into the bank's arrays (no temporaries: the bank is all it allocates)."""
+    def from_experts(cls, experts, group: int | None = None) -> "Fp4Bank":
+        """experts: list of dicts {w1, w2, w3: (codes u8, scales u8)} as stored in the checkpoint (rows in
+        order). Copied once, straight into the bank's arrays in layout `group` (default: this path's,
+        `GROUP`); no temporaries: the bank is all it allocates."""
+        group = GROUP if group is None else group
         (c1, s1), (c2, s2) = experts[0]["w1"], experts[0]["w2"]
         I, E = np.shape(c1)[0], len(experts)
         w13c = np.empty((E, 2 * I) + np.shape(c1)[1:], np.uint8)
         w13s = np.empty((E, 2 * I) + np.shape(s1)[1:], np.uint8)
         w2c, w2s = np.empty((E,) + np.shape(c2), np.uint8), np.empty((E,) + np.shape(s2), np.uint8)
-        for i, e in enumerate(experts):
-            w13c[i, :I], w13c[i, I:] = e["w1"][0], e["w3"][0]
-            w13s[i, :I], w13s[i, I:] = e["w1"][1], e["w3"][1]
-            w2c[i], w2s[i] = e["w2"]
-        return cls(w13c, w13s, w2c, w2s)
+
+        def put(codes, scales, c, s):
+            if group:
+                to_lanes(np.asarray(c), np.asarray(s), group, out=(codes, scales))
+            else:
+                codes[...], scales[...] = c, s
+        for i, e in enumerate(experts):        # gate and up rows apart: whole groups each (I % 32 == 0)
+            put(w13c[i, :I], w13s[i, :I], *e["w1"])
+            put(w13c[i, I:], w13s[i, I:], *e["w3"])
+            put(w2c[i], w2s[i], *e["w2"])
+        return cls(w13c, w13s, w2c, w2s, group)
 
     @classmethod
-    def random(cls, n_experts: int, hidden: int, inter: int, seed: int = 0) -> "Fp4Bank":
-        """Random codes with scales giving weight RMS ~1/sqrt(fan_in) (tests and benchmarks)."""
+    def random(cls, n_experts: int, hidden: int, inter: int, seed: int = 0, group: int | None = None) -> "Fp4Bank":
+        """Random codes with scales giving weight RMS ~1/sqrt(fan_in) (tests and benchmarks), labelled
+        layout `group` (default this path's: random bytes are random in either)."""
         rng = np.random.default_rng(seed)
         def codes(*shape):
             return random_bytes(rng, shape)
@@ -134,13 +158,29 @@ class Fp4Bank:
             e = 127 + int(round(np.log2(1 / (np.sqrt(fan_in) * 2.93))))
             return (e + rng.integers(-1, 2, size=shape)).astype(np.uint8)
         E, H, I = n_experts, hidden, inter
-        return cls(codes(E, 2 * I, H // 2), scales(H, E, 2 * I, H // 32), codes(E, H, I // 2), scales(I, E, H, I // 32))
+        return cls(codes(E, 2 * I, H // 2), scales(H, E, 2 * I, H // 32), codes(E, H, I // 2), scales(I, E, H, I // 32),
+                   GROUP if group is None else group)
+
+    def rows(self, name: str, e=slice(None)) -> tuple[np.ndarray, np.ndarray]:
+        """(codes, scales) of "w13" or "w2" for expert(s) e in rows' order (the checkpoint's layout)."""
+        c, s = getattr(self, name + "_codes")[e], getattr(self, name + "_scales")[e]
+        return to_rows(c, s, self.group) if self.group else (c, s)
+
+    def laid_out(self, group: int | None = None) -> "Fp4Bank":
+        """This bank's bytes in layout `group` (default this path's, `GROUP`): a copy, or itself if already so."""
+        group = GROUP if group is None else group
+        if group == self.group:
+            return self
+        (c13, s13), (c2, s2) = self.rows("w13"), self.rows("w2")
+        if group:
+            (c13, s13), (c2, s2) = to_lanes(c13, s13, group), to_lanes(c2, s2, group)
+        return Fp4Bank(np.ascontiguousarray(c13), np.ascontiguousarray(s13), np.ascontiguousarray(c2), np.ascontiguousarray(s2), group)
 
     def expert_weights(self, e: int, dtype=torch.float64):
         """(w1 [I, H], w3 [I, H], w2 [H, I]) dequantized: the reference's view of expert e."""
         I = self.inter
-        w13 = dequantize_mxfp4(torch.from_numpy(self.w13_codes[e]), torch.from_numpy(self.w13_scales[e]), dtype)
-        w2 = dequantize_mxfp4(torch.from_numpy(self.w2_codes[e]), torch.from_numpy(self.w2_scales[e]), dtype)
+        w13 = dequantize_mxfp4(*(torch.from_numpy(a) for a in self.rows("w13", e)), dtype)
+        w2 = dequantize_mxfp4(*(torch.from_numpy(a) for a in self.rows("w2", e)), dtype)
         return w13[:I], w13[I:], w2
 
 
@@ -338,10 +378,76 @@ def _matvecs_wide(codes, scales, experts, off, xq, xc, xr, out, streams, inputs,
             _chunk(cf, sf, qf, cxf, rf, e, N, K, r0, r1, j0, min(j0 + B, off[s + 1]), of, streams, inputs)
 
 
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _matvecs_lanes(codes, scales, experts, off, xq, xc, xr, out, streams, inputs):
+    """`_matvecs` over a bank in the lanes layout (`GROUP` rows a group; inputs prepared without
+    superblocks). A chunk's rows go a group at a time, or (streams 4) its 4 groups in one call: 4 DRAM
+    streams per thread, each input's broadcast serving all 4. The slot's inputs go `inputs` a call, each
+    block over the chunk's groups before the next, so a block stays in L1 while the rows pass (from L2
+    after the first block). Every output is its row's FMA chain with its input: the same bits whatever
+    the streams, inputs, threads or slot width."""
+    S = len(experts)
+    N = out.shape[1]
+    K = xq.shape[1]
+    qf, cxf, rf = xq.reshape(-1), xc.reshape(-1), xr.reshape(-1)
+    of = out.reshape(-1)
+    cf = codes.reshape(-1)
+    sf = scales.reshape(-1)
+    per = (N + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK
+    for c in prange(S * per):
+        s = c // per
+        r0 = (c % per) * ROWS_PER_CHUNK
+        r1 = min(r0 + ROWS_PER_CHUNK, N)
+        e = experts[s]
+        for j0 in range(off[s], off[s + 1], inputs):
+            j1 = min(j0 + inputs, off[s + 1])
+            if streams == 4 and r1 - r0 == 4 * GROUP:
+                _lanes(4, cf, (e * N + r0) * (K // 2), sf, (e * N + r0) * (K // 32), qf, cxf, rf, j0, j1, K, of, r0, N)
+            else:
+                for r in range(r0, r1, GROUP):
+                    _lanes(1, cf, (e * N + r) * (K // 2), sf, (e * N + r) * (K // 32), qf, cxf, rf, j0, j1, K, of, r, N)
+
+
+def _lanes(G, cf, c_off, sf, s_off, qf, cxf, rf, j0, j1, K, of, r, N):
+    """G consecutive groups from row r (bank offsets c_off, s_off) against inputs j0..j1-1 (at most 8)."""
+    raise NotImplementedError("numba-only")
+
+
+@overload(_lanes, prefer_literal=True, inline="always")
+def _ov_lanes(G, cf, c_off, sf, s_off, qf, cxf, rf, j0, j1, K, of, r, N):
+    if not isinstance(G, types.IntegerLiteral):
+        return None
+    g = G.literal_value
+
+    def lanes(G, cf, c_off, sf, s_off, qf, cxf, rf, j0, j1, K, of, r, N):
+        gc, gs, o = GROUP * (K // 2), GROUP * (K // 32), j0 * N + r
+        n = j1 - j0
+        if n == 1:
+            fp4_lanes_dot(g, 1, MODE, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
+        elif n == 2:
+            fp4_lanes_dot(g, 2, MODE, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
+        elif n == 3:
+            fp4_lanes_dot(g, 3, MODE, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
+        elif n == 4:
+            fp4_lanes_dot(g, 4, MODE, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
+        elif n == 5:
+            fp4_lanes_dot(g, 5, MODE, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
+        elif n == 6:
+            fp4_lanes_dot(g, 6, MODE, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
+        elif n == 7:
+            fp4_lanes_dot(g, 7, MODE, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
+        else:
+            fp4_lanes_dot(g, 8, MODE, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
+    return lanes
+
+
 @njit(nogil=True, cache=CACHE)
 def _passes(codes, scales, experts, off, xq, xc, xr, out, streams, inputs, l1_inputs):
-    """One weight pass: `_matvecs`, or `_matvecs_wide` where a slot's inputs pass l1_inputs bytes."""
-    if np.max(off[1:] - off[:-1]) * xq.shape[1] > l1_inputs:
+    """One weight pass: `_matvecs_lanes` on a lanes bank (GROUP), else `_matvecs`, or `_matvecs_wide`
+    where a slot's inputs pass l1_inputs bytes."""
+    if GROUP:
+        _matvecs_lanes(codes, scales, experts, off, xq, xc, xr, out, streams, inputs)
+    elif np.max(off[1:] - off[:-1]) * xq.shape[1] > l1_inputs:
         _matvecs_wide(codes, scales, experts, off, xq, xc, xr, out, streams, inputs, l1_inputs)
     else:
         _matvecs(codes, scales, experts, off, xq, xc, xr, out, streams, inputs)
@@ -517,6 +623,9 @@ def expert_ffn(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, bank: Fp4Bank, t
         raise ValueError(f"expert_ffn: streams must be one of {ROW_STREAMS}, got {streams}")
     if inputs not in ROW_INPUTS:
         raise ValueError(f"expert_ffn: inputs must be one of {ROW_INPUTS}, got {inputs}")
+    if bank.group != GROUP:
+        raise ValueError(f"expert_ffn: the bank's layout is group {bank.group}, this path's kernel ({ISA}) reads "
+                         f"group {GROUP} (0: rows in order): build it with Fp4Bank.from_experts or random")
     set_threads(threads)
     y = np.zeros((T, H), np.float32) if out is None else out
     _ffn(x, ids, wts, bank.w13_codes, bank.w13_scales, bank.w2_codes, bank.w2_scales, streams, inputs, l1_input_bytes(), y)
@@ -533,11 +642,12 @@ def _ffn(x, ids, wts, w13_codes, w13_scales, w2_codes, w2_scales, streams, input
     experts, off, tok, kk = _plan_slots(ids, w13_codes.shape[0])
     if len(experts) == 0:
         return
-    xq, xc, xr = _prepare(x, tok)                                  # [A, H] int8 (+ [A, H/8] x2): A = assignments (<= T K)
+    sbb = 0 if GROUP else SUPERBLOCK                               # the lanes kernel reads inputs in order
+    xq, xc, xr = _prepare(x, tok, sbb)                             # [A, H] int8 (+ [A, H/8] x2): A = assignments (<= T K)
     h = np.empty((len(tok), 2 * inter), np.float32)                # [A, 2I]
     _passes(w13_codes, w13_scales, experts, off, xq, xc, xr, h, streams, inputs, l1_inputs)
     a = _swiglu(h, inter)                                          # [A, I]
-    aq, ac, ar = _prepare(a, np.arange(len(tok)))
+    aq, ac, ar = _prepare(a, np.arange(len(tok)), sbb)
     d = np.empty((len(tok), x.shape[1]), np.float32)               # [A, H]
     _passes(w2_codes, w2_scales, experts, off, aq, ac, ar, d, streams, inputs, l1_inputs)
     _combine(d, tok, kk, wts, y)
@@ -573,10 +683,15 @@ def _dequant_experts(codes, scales, experts, out, stab):
         _deq(LANES, cf, (e * N + r) * (K // 2), sf, (e * N + r) * ng, stab, ng, of, (s * N + r) * K)
 
 
-def dequant_experts(codes, scales, experts) -> np.ndarray:
-    """codes [E, N, K/2], scales [E, N, K/32], experts [S] -> float32 [S, N, K]."""
+def dequant_experts(codes, scales, experts, group: int = 0) -> np.ndarray:
+    """codes [E, N, K/2], scales [E, N, K/32] in layout `group` (0: rows in order), experts [S] -> float32
+    [S, N, K]. A lanes layout is put back in rows' order first (a copy of the S experts' bytes)."""
+    experts = np.asarray(experts, np.int64)
+    if group:
+        codes, scales = to_rows(codes[experts], scales[experts], group)
+        experts = np.arange(len(experts), dtype=np.int64)
     out = np.empty((len(experts), codes.shape[1], codes.shape[2] * 2), np.float32)
-    _dequant_experts(codes, scales, np.asarray(experts, np.int64), out, STAB)
+    _dequant_experts(codes, scales, experts, out, STAB)
     return out
 
 
@@ -592,8 +707,8 @@ def expert_ffn_dense(x, ids, wts, bank: Fp4Bank, threads: int | None = None, dty
     I = bank.inter
     for e in np.unique(ids[ids >= 0]):              # -1: no assignment
         t, k = np.nonzero(ids == e)
-        w13 = torch.from_numpy(dequant_experts(bank.w13_codes, bank.w13_scales, [e])[0]).to(dtype)
-        w2 = torch.from_numpy(dequant_experts(bank.w2_codes, bank.w2_scales, [e])[0]).to(dtype)
+        w13 = torch.from_numpy(dequant_experts(bank.w13_codes, bank.w13_scales, [e], bank.group)[0]).to(dtype)
+        w2 = torch.from_numpy(dequant_experts(bank.w2_codes, bank.w2_scales, [e], bank.group)[0]).to(dtype)
         h = quantize_act(x[t]).to(dtype) @ w13.T                       # [n, 2I]
         a = torch.nn.functional.silu(h[:, :I].float()) * h[:, I:].float()
         y.index_add_(0, torch.as_tensor(t), (quantize_act(a).to(dtype) @ w2.T).float() * wts_t[t, k][:, None])

@@ -51,7 +51,7 @@ if triton is not None:
 
     @triton.jit
     def _fp4_slot_kernel(q_ptr, r_ptr, c_ptr, s_ptr, slot_ptr, y_ptr, T, N, K,
-                         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+                         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
         m = tl.program_id(0)
         pid_n = tl.program_id(1)
         slot = tl.load(slot_ptr + m).to(tl.int64)
@@ -65,12 +65,19 @@ if triton is not None:
         q_base = q_ptr + m * T * K
         r_base = r_ptr + m * T * (K // 32)
         for g in range(0, K // 32):                                  # one 32-block of inputs per step
-            codes = tl.load(c_base + offs_n[:, None] * (K // 2) + g * 16 + offs_j[None, :], mask=nmask[:, None], other=0)
+            if GROUP == 0:                                           # rows in order
+                c_at = offs_n[:, None] * (K // 2) + g * 16 + offs_j[None, :]
+                s_at = offs_n * (K // 32) + g
+            else:                                                    # lanes as rows: dword 4g + j/4 of GROUP rows together
+                lane = offs_n % GROUP
+                c_at = ((offs_n - lane) * (K // 2) + lane * 4)[:, None] + (4 * g + offs_j // 4)[None, :] * (4 * GROUP) + (offs_j % 4)[None, :]
+                s_at = (offs_n - lane) * (K // 32) + g * GROUP + lane
+            codes = tl.load(c_base + c_at, mask=nmask[:, None], other=0)
             q_even = tl.load(q_base + offs_t[:, None] * K + 32 * g + 2 * offs_j[None, :], mask=tmask[:, None], other=0.0)
             q_odd = tl.load(q_base + offs_t[:, None] * K + 32 * g + 2 * offs_j[None, :] + 1, mask=tmask[:, None], other=0.0)
             lane = tl.dot(q_even, tl.trans(_e2m1_x2(codes & 15)), input_precision="ieee") \
                 + tl.dot(q_odd, tl.trans(_e2m1_x2(codes >> 4)), input_precision="ieee")   # [BLOCK_T, BLOCK_N] exact integers
-            ws = _e8m0_bits(tl.load(s_base + offs_n * (K // 32) + g, mask=nmask, other=127))
+            ws = _e8m0_bits(tl.load(s_base + s_at, mask=nmask, other=127))
             xr = tl.load(r_base + offs_t * (K // 32) + g, mask=tmask, other=0.0)          # s / 2
             acc += lane * (xr[:, None] * ws[None, :])
         ymask = tmask[:, None] & nmask[None, :]
@@ -103,13 +110,15 @@ def _require_triton():
 
 
 def fp4_slot_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor,
-                    block_n: int = 32) -> torch.Tensor:
+                    block_n: int = 32, group: int = 0) -> torch.Tensor:
     """x [M, T, K], codes [S, N, K/2] u8, scales [S, N, K/32] u8, slots [M] -> y [M, T, N] float32, y[m]
-    = quantize_act(x[m]) @ W_{slots[m]}^T: x quantized per 32-block (kernels/formats.py act_parts)."""
+    = quantize_act(x[m]) @ W_{slots[m]}^T: x quantized per 32-block (kernels/formats.py act_parts). group:
+    the bytes' layout, 0 rows in order, R lanes as rows (kernels/fp4_lanes.py: the CPU banks' layout on
+    paths that take it, so a gather copies bytes as they are)."""
     _require_triton()
     M, T, K = x.shape
     S, N, Kh = codes.shape
-    if Kh * 2 != K or scales.shape != (S, N, K // 32) or slots.shape != (M,) or K % 32:
+    if Kh * 2 != K or scales.shape != (S, N, K // 32) or slots.shape != (M,) or K % 32 or (group and N % group):
         raise ValueError(f"fp4_slot_matmul: x {tuple(x.shape)}, codes {tuple(codes.shape)}, "
                          f"scales {tuple(scales.shape)}, slots {tuple(slots.shape)} do not fit")
     q, s = act_parts(x)
@@ -117,7 +126,7 @@ def fp4_slot_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
     y = torch.empty(M, T, N, dtype=torch.float32, device=x.device)
     grid = (M, triton.cdiv(N, block_n))
     _fp4_slot_kernel[grid](q.contiguous(), (s * 0.5).contiguous(), codes.contiguous(), scales.contiguous(),
-                           slots.to(torch.int32).contiguous(), y, T, N, K, BLOCK_T=block_t, BLOCK_N=block_n)
+                           slots.to(torch.int32).contiguous(), y, T, N, K, BLOCK_T=block_t, BLOCK_N=block_n, GROUP=group)
     return y
 
 

@@ -32,7 +32,7 @@ import torch
 
 from hostinfo import clamp_threads
 from runtime.budget import NVME_BATCH
-from kernels.cpu_moe import Fp4Bank, expert_ffn
+from kernels.cpu_moe import GROUP, Fp4Bank, expert_ffn
 from kernels.router import with_row
 from kernels.threads import concurrent_ok
 from kernels.formats import dequantize_mxfp4, quantize_act
@@ -82,10 +82,11 @@ class NumbaSlots:
     def __init__(self, n, hidden, inter, threads=None):
         z = np.zeros
         self.bank = Fp4Bank(z((n, 2 * inter, hidden // 2), np.uint8), z((n, 2 * inter, hidden // 32), np.uint8),
-                            z((n, hidden, inter // 2), np.uint8), z((n, hidden, inter // 32), np.uint8))
+                            z((n, hidden, inter // 2), np.uint8), z((n, hidden, inter // 32), np.uint8), GROUP)
         self.threads = threads
 
     def put(self, slot, src: Fp4Bank, row):
+        _same_layout(src, self.bank.group)
         for name in ("w13_codes", "w13_scales", "w2_codes", "w2_scales"):
             getattr(self.bank, name)[slot] = getattr(src, name)[row]
 
@@ -93,18 +94,25 @@ class NumbaSlots:
         return expert_ffn(x, ids, wts, self.bank, threads=self.threads)
 
 
+def _same_layout(src: Fp4Bank, group: int) -> None:
+    if src.group != group:
+        raise ValueError(f"slot cache: an expert bank in layout group {src.group}, the slots hold group {group}")
+
+
 class TritonSlots:
     """Slot memory as device tensors, computed by the Triton ds_fp4 kernel (kernels/triton_gpu.py):
     gate/up for every routed (slot, token), SwiGLU, down, router-weighted sum. On CUDA this is the
-    GPU slot cache; on a CPU tensor it runs under TRITON_INTERPRET=1 (how it is tested here)."""
+    GPU slot cache; on a CPU tensor it runs under TRITON_INTERPRET=1 (how it is tested here). The slots
+    hold the host banks' bytes as they are (a gather is a copy): the kernel reads their layout (GROUP)."""
 
-    def __init__(self, n, hidden, inter, device):
-        self.device, self.H, self.I = device, hidden, inter
+    def __init__(self, n, hidden, inter, device, group: int = GROUP):
+        self.device, self.H, self.I, self.group = device, hidden, inter, group
         z = lambda *s: torch.zeros(*s, dtype=torch.uint8, device=device)  # noqa: E731
         self.w13c, self.w13s = z(n, 2 * inter, hidden // 2), z(n, 2 * inter, hidden // 32)
         self.w2c, self.w2s = z(n, hidden, inter // 2), z(n, hidden, inter // 32)
 
     def put(self, slot, src: Fp4Bank, row):
+        _same_layout(src, self.group)
         for dst, a in ((self.w13c, src.w13_codes), (self.w13s, src.w13_scales), (self.w2c, src.w2_codes), (self.w2s, src.w2_scales)):
             dst[slot].copy_(torch.from_numpy(np.ascontiguousarray(a[row])), non_blocking=True)
 
@@ -121,10 +129,10 @@ class TritonSlots:
             for j, (t, _) in enumerate(groups[s]):
                 xs[m, j] = xt[t]
         sl = torch.tensor(slots, device=self.device)
-        h = fp4_slot_matmul(xs, self.w13c, self.w13s, sl)                          # [M, Tm, 2I], inputs quantized
+        h = fp4_slot_matmul(xs, self.w13c, self.w13s, sl, group=self.group)       # [M, Tm, 2I], inputs quantized
         g = h[..., :self.I]
         a = g / (1.0 + torch.exp(-g)) * h[..., self.I:]                          # SwiGLU as the CPU kernel writes it
-        d = fp4_slot_matmul(a.contiguous(), self.w2c, self.w2s, sl)              # [M, Tm, H]
+        d = fp4_slot_matmul(a.contiguous(), self.w2c, self.w2s, sl, group=self.group)   # [M, Tm, H]
         for m, s in enumerate(slots):
             for j, (t, k) in enumerate(groups[s]):
                 y[t] += float(wts[t, k]) * d[m, j]
@@ -170,7 +178,7 @@ def _pinned(bank: Fp4Bank | None) -> Fp4Bank | None:
     if bank is None:
         return None
     return Fp4Bank(*(torch.from_numpy(getattr(bank, k)).pin_memory().numpy()
-                     for k in ("w13_codes", "w13_scales", "w2_codes", "w2_scales")))
+                     for k in ("w13_codes", "w13_scales", "w2_codes", "w2_scales")), bank.group)
 
 
 class PlacedExperts:

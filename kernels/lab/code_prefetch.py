@@ -18,6 +18,7 @@ same bits; prints GB/s of distinct expert bytes and each copy's per-round speed 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 import types
 from pathlib import Path
@@ -42,6 +43,7 @@ def ffn_copy(ahead: int, tag: str):
     src = src.replace("cache=CACHE", "cache=False")
     mod = types.ModuleType(f"kernels.lab._cpu_moe_{tag}")
     mod.__file__ = cm.__file__
+    sys.modules[mod.__name__] = mod                   # dataclasses look their annotations' module up there
     exec(compile(src, cm.__file__, "exec"), mod.__dict__)
     mod.ahead = ahead
     return mod

@@ -159,8 +159,8 @@ for H, I in ((160, 96), (1024, 576)):           # every row in tail steps; super
     del os.environ["DSV41_L1D_KIB"]
     assert np.array_equal(fits[0], fits[1])
 err = max(errs)
-d = dequant_experts(bank.w2_codes, bank.w2_scales, [4])[0]
-dr = dequantize_mxfp4(torch.from_numpy(bank.w2_codes[4]), torch.from_numpy(bank.w2_scales[4])).numpy()
+d = dequant_experts(bank.w2_codes, bank.w2_scales, [4], bank.group)[0]          # the bank's layout, rows in order
+dr = dequantize_mxfp4(*(torch.from_numpy(a) for a in bank.rows("w2", 4))).numpy()
 print(err, np.array_equal(d, dr))
 """
 

@@ -41,6 +41,24 @@ def test_fp4_slot_matmul(S, N, K, M, T):
     assert not torch.equal(quantize_act(x), x)                                 # the inputs were quantized
 
 
+@pytest.mark.parametrize("group", [8, 16])
+def test_fp4_slot_matmul_reads_the_lanes_layout(group):
+    """Slots holding the CPU banks' lanes layout (kernels/fp4_lanes.py, copied as they are by a gather):
+    the same bits as the rows they were repacked from (only the addresses differ)."""
+    from kernels.fp4_lanes import to_lanes
+    g = torch.Generator().manual_seed(group)
+    S, N, K, M, T = 3, 48, 192, 3, 4
+    codes, scales = quantize_mxfp4(torch.randn(S, N, K, generator=g))
+    scales[1, 17, 2] = 255                                               # a NaN scale: row 17 of slot 1 only
+    lc, ls = (torch.from_numpy(a) for a in to_lanes(codes.numpy(), scales.numpy(), group))
+    assert not torch.equal(lc, codes)
+    x, slots = torch.randn(M, T, K, generator=g), torch.tensor([1, 0, 2])
+    want = fp4_slot_matmul(x.to(DEV), codes.to(DEV), scales.to(DEV), slots.to(DEV)).cpu()
+    got = fp4_slot_matmul(x.to(DEV), lc.to(DEV), ls.to(DEV), slots.to(DEV), group=group).cpu()
+    assert torch.equal(got.isnan(), want.isnan()) and want[0, :, 17].isnan().all() and want.isnan().sum() == T
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
 @pytest.mark.parametrize("block", [(32, 32), (128, 128)])
 @pytest.mark.parametrize("M,N,K", [(1, 96, 128), (5, 70, 256), (20, 130, 160)])
 def test_fp8_block_matmul(block, M, N, K):

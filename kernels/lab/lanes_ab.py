@@ -1,0 +1,88 @@
+"""Lab: the package's expert FFN with lanes as rows against the superblock kernel, whole steps interleaved.
+
+  python -m kernels.lab.lanes_ab [--widths 1 2 4 6 8] [--inputs 4] [--streams 1] [--rounds 4] [--steps 30]
+
+kernels/cpu_moe.py builds its banks in the lanes layout on the paths in LANES_MODES (kernels/fp4_lanes.py)
+and keeps rows in order elsewhere. Here both are the package's own code: kernels/cpu_moe.py executed
+twice as uncached modules of their own (kernels/lab/code_prefetch.py `ffn_copy`), one with the host's
+path (or $DSV41_CPU_ISA's) in LANES_MODES, one with it empty (the superblock kernel), whatever the
+package picks, so a path can be measured before it is put in the table. One bank's bytes serve both
+(random bytes time alike in either layout). V4.1 geometry, the bank and each step's experts as the
+profiler's probe has them (kernels/probe_bank.py: 4x the host's total LLC): batch 1 or a verify of W
+tokens (top-6 of a pool of 10). Steps interleaved, the order reversed every round; prints GB/s of
+distinct expert bytes and the lanes copy's per-round speed ratio to the superblock one.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+import kernels.cpu_moe as cm
+from hostinfo import usable_cores
+from kernels.fp4_i8 import MODES
+from kernels.fp4_lanes import group_rows
+from kernels.lab.code_prefetch import H, I, TOP_K, ffn_copy, plans
+from kernels.probe_bank import ProbeTooLarge, bank_size
+from kernels.threads import set_threads
+
+
+def copies():
+    """{"lanes": the package as it is, "rows": the superblock kernel on rows in order}: uncached modules."""
+    lanes, rows = ffn_copy(-1, "lanes"), ffn_copy(-1, "rows")
+    if "LANES_MODES = (" not in open(cm.__file__).read():
+        raise RuntimeError("kernels/cpu_moe.py no longer defines LANES_MODES: the copies cannot be told apart")
+    lanes.LANES_MODES, lanes.GROUP = (cm.MODE,), group_rows(cm.MODE)   # read by the copies' kernels when they compile
+    rows.LANES_MODES, rows.GROUP = (), 0
+    return {"lanes": lanes, "rows": rows}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 6, 8], help="1: batch 1; W: a verify of W tokens")
+    ap.add_argument("--threads", type=int, default=usable_cores())
+    ap.add_argument("--inputs", type=int, default=cm.DEFAULT_INPUTS, choices=cm.ROW_INPUTS)
+    ap.add_argument("--streams", type=int, default=1, choices=cm.ROW_STREAMS)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=30, help="steps per copy per round")
+    args = ap.parse_args(argv)
+    if not cm.MODE:
+        raise SystemExit("the scalar path has no lanes kernel: nothing to compare")
+    try:
+        E, note = bank_size(H, I, TOP_K)
+    except ProbeTooLarge as e:
+        raise SystemExit(str(e))
+    bank = cm.Fp4Bank.random(E, H, I)
+    set_threads(args.threads)
+    mods = copies()
+    w = (bank.w13_codes, bank.w13_scales, bank.w2_codes, bank.w2_scales, args.streams, args.inputs, cm.l1_input_bytes())
+    print(f"path {MODES[cm.MODE]}, {args.threads} threads, streams {args.streams}, up to {args.inputs} inputs a call, "
+          f"bank {E} experts ({E * bank.expert_bytes / 1e9:.1f} GB{'; ' + note if note else ''})", flush=True)
+    for W in args.widths:
+        rng = np.random.default_rng(W)
+        x = rng.standard_normal((W, H)).astype(np.float32)
+        wts = np.full((W, TOP_K), 1 / TOP_K, np.float32)
+        plan = plans(W, E, rng)
+        nbytes = np.mean([len(np.unique(p)) for p in plan]) * bank.expert_bytes
+        for mod in mods.values():                                  # compile
+            mod._ffn(x, plan[0], wts, *w, np.zeros((W, H), np.float32))
+        ts = {n: [] for n in mods}
+        i = 0
+        for r in range(args.rounds):
+            for _ in range(args.steps):
+                for n in (("lanes", "rows") if r % 2 == 0 else ("rows", "lanes")):
+                    y = np.zeros((W, H), np.float32)
+                    t0 = time.perf_counter()
+                    mods[n]._ffn(x, plan[i % len(plan)], wts, *w, y)
+                    ts[n].append(time.perf_counter() - t0)
+                i += 1
+        per = [np.median(ts["rows"][k * args.steps:(k + 1) * args.steps]) / np.median(ts["lanes"][k * args.steps:(k + 1) * args.steps])
+               for k in range(args.rounds)]
+        what = "batch 1" if W == 1 else f"verify {W}"
+        print(f"{what:9s}: lanes {nbytes / np.median(ts['lanes']) / 1e9:5.1f} GB/s, rows {nbytes / np.median(ts['rows']) / 1e9:5.1f} GB/s; "
+              f"lanes / rows per round " + " ".join(f"{v:.3f}" for v in per) + f" (median {np.median(per):.3f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
