@@ -36,7 +36,7 @@ from hostinfo import isa, l1d_bytes
 from kernels import ISA_CACHE
 from kernels.formats import dequantize_mxfp4, quantize_act
 from kernels.fp4_i8 import LUT16, OFFSET, ROWS_FIRST, fp4_i8_dot, superblock_bytes
-from kernels.fp4_lanes import fp4_lanes_dot, group_rows, to_lanes, to_rows
+from kernels.fp4_lanes import BLOCK_ENTRIES, fp4_lanes_dot, group_rows, to_lanes, to_rows
 from kernels.fp4_simd import E2M1, fp4_dequant
 from kernels.probe_bank import expert_bytes
 from kernels.threads import set_threads
@@ -524,6 +524,8 @@ def _prepare_row(x, xq, xc, xr, sbb):
     past the last one used stay unwritten."""
     K = x.shape[0]
     h = K // 2
+    per_block = sbb == BLOCK_ENTRIES                         # the lanes kernel's: in order, an entry per block
+    sbb = max(sbb, 0)
     nbs = sbb // 16                                          # blocks per superblock
     g_sb = (h // sbb) * nbs if sbb else 0                    # blocks in superblocks
     v = sbb // 4                                             # bytes per vector
@@ -532,8 +534,10 @@ def _prepare_row(x, xq, xc, xr, sbb):
         a = np.float32(0.0)
         for i in range(32):
             u = abs(x[32 * g + i])
-            if not u <= a:                                   # NaN sticks
+            if not u <= a:                                   # a larger |x|, or a NaN
                 a = u
+                if a != a:                                   # NaN sticks: no later |x| may replace it
+                    break
         ok = a > 0 and np.isfinite(a)
         inv = np.float32(127.0) / a if ok else np.float32(0.0)
         half_sc = (a / np.float32(127.0) if ok or a == 0 else np.float32(np.nan)) * np.float32(0.5)
@@ -550,6 +554,13 @@ def _prepare_row(x, xq, xc, xr, sbb):
                 xq[at], xq[h + at] = q0, q1
                 tot += np.int32(q0) + np.int32(q1)
             xc[L], xr[L] = -OFFSET * tot, half_sc
+        elif per_block:                                      # in order; entry g: the whole block
+            tot = np.int32(0)
+            for o in range(16):
+                q0, q1 = _q(x[e + 2 * o], inv), _q(x[e + 2 * o + 1], inv)
+                xq[16 * g + o], xq[h + 16 * g + o] = q0, q1
+                tot += np.int32(q0) + np.int32(q1)
+            xc[g], xr[g] = -OFFSET * tot, half_sc
         else:                                                # in order; an entry per 4 code bytes
             for L4 in range(4):
                 L = g_sb + 4 * (g - g_sb) + L4
@@ -565,7 +576,8 @@ def _prepare_row(x, xq, xc, xr, sbb):
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _prepare(x, rows, sbb=SUPERBLOCK):
     """Inputs x[rows[a]] -> (xq int8 [A, K], xc int32 [A, K/8], xr f32 [A, K/8]) for this host's kernel
-    (sbb: its superblock bytes; 0 gives the layout without superblocks, the scalar path's). A row of x
+    (sbb: its superblock bytes; 0 gives the layout without superblocks, the scalar path's; BLOCK_ENTRIES
+    the lanes kernel's, in order with one xc / xr entry per 32-block, the first K/32). A row of x
     that `rows` names more than once (a token's top-k assignments) is quantized once, at its first
     assignment, and copied to the others: the same bytes. A verify-8 step on V4.1's geometry (48
     assignments of 8 tokens) spent 0.28 ms of a ~9.4 ms step quantizing each token 6 times; 0.08 now."""
@@ -642,7 +654,7 @@ def _ffn(x, ids, wts, w13_codes, w13_scales, w2_codes, w2_scales, streams, input
     experts, off, tok, kk = _plan_slots(ids, w13_codes.shape[0])
     if len(experts) == 0:
         return
-    sbb = 0 if GROUP else SUPERBLOCK                               # the lanes kernel reads inputs in order
+    sbb = BLOCK_ENTRIES if GROUP else SUPERBLOCK                   # the lanes kernel: in order, an entry per block
     xq, xc, xr = _prepare(x, tok, sbb)                             # [A, H] int8 (+ [A, H/8] x2): A = assignments (<= T K)
     h = np.empty((len(tok), 2 * inter), np.float32)                # [A, 2I]
     _passes(w13_codes, w13_scales, experts, off, xq, xc, xr, h, streams, inputs, l1_inputs)

@@ -12,12 +12,13 @@ Layout (`group` R; `to_lanes` / `to_rows` below): per R rows, codes [K/8, R, 4] 
 together; a code byte keeps weight 2p in its low nibble and 2p+1 in its high one) and scales [K/32, R].
 The same bytes as rows in order, moved: the bank's memory is the same.
 
-Inputs: `_prepare(x, rows, 0)` (kernels/cpu_moe.py; no superblocks): xq = the K/2 even q then the K/2 odd
+Inputs: `_prepare(x, rows, BLOCK_ENTRIES)` (kernels/cpu_moe.py): xq = the K/2 even q then the K/2 odd
 ones, in order, so dword v of block b (code bytes 16b + 4v ..) meets even q 16b + 4v .. and odd q
-half + 16b + 4v ..; xc / xr hold an entry per 4 code bytes (block b: entries 4b .. 4b+3, their offset
-shares summed here, their scale the block's).
+half + 16b + 4v ..; xc[b] = -12 x block b's q sum (the +12 offset's share), xr[b] = its scale / 2.
+One entry a block, not the 4 a block of the superblock kernel's tails: summing 4 shares in the kernel
+took ~4 of the ~19 vector ops each input and block cost at 4 inputs a call.
 
-Per block b and input: the 4 offset shares summed into the integer chain's start, 8 products (4 dwords x
+Per block b and input: the offset share broadcast as the integer chain's start, 8 products (4 dwords x
 low / high nibbles: `vpdpbusd`, or `vpmaddubsw` + `vpmaddwd` without VNNI: the same integer), then per
 lane one convert and an FMA with (weight scale x input scale): out lane l = row l's FMA chain over the
 blocks in order. The integer per block is the superblock kernel's; the float sum runs over the blocks in
@@ -36,6 +37,8 @@ from kernels.fp4_i8 import STEP, _fn, _Step, mode_error
 from kernels.fp4_simd import _data_ptrs, _literal, prefetch_weights
 
 i8, i32, i64, f32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
+BLOCK_ENTRIES = -1          # `_prepare`'s sbb for this kernel's inputs: in order, one xc / xr entry per 32-block
+L1_AHEAD = 0                # a group's codes also prefetched into L1 this many blocks ahead (< 1: none); read when emitted
 
 
 def group_rows(mode: int) -> int:
@@ -84,7 +87,6 @@ def fp4_lanes_dot(typingctx, G_t, T_t, mode_t, codes, c_off, g_stride, scales, s
         st = _Step(builder, STEP[mode], mode)
         R = st.n                                                    # rows a vector: its 32-bit lanes
         prefetch = _fn(builder, "llvm.prefetch.p0i8", ir.VoidType(), [i8.as_pointer(), i32, i32, i32])
-        add4 = _fn(builder, "llvm.vector.reduce.add.v4i32", i32, [ir.VectorType(i32, 4)])
         half, nb, k8 = builder.udiv(K_v, c64(2)), builder.udiv(K_v, c64(32)), builder.udiv(K_v, c64(8))
         accs = [[cgutils.alloca_once_value(builder, ir.Constant(st.vf, [0.0] * R)) for _ in range(T)] for _ in range(G)]
 
@@ -101,14 +103,17 @@ def fp4_lanes_dot(typingctx, G_t, T_t, mode_t, codes, c_off, g_stride, scales, s
                 gc = builder.add(builder.add(c_off_v, builder.mul(c64(g), g_stride_v)), builder.mul(b, c64(16 * R)))
                 for k in range(0, 16 * R, 64):
                     prefetch_weights(builder, prefetch, builder.gep(cb, [builder.add(gc, c64(k))]))
+                    if L1_AHEAD > 0:
+                        builder.call(prefetch, [builder.gep(cb, [builder.add(gc, c64(k + 16 * R * L1_AHEAD))]), ir.Constant(i32, 0),
+                                                ir.Constant(i32, 3), ir.Constant(i32, 1)])
                 lohi = [st.decode(st.load(cb, builder.add(gc, c64(4 * R * v)), st.vb)) for v in range(4)]
                 s_at = builder.add(builder.add(s_off_v, builder.mul(c64(g), gs_stride_v)), builder.mul(b, c64(R)))
                 ws = st.scale(sb, s_at, list(range(R)))
                 for j in range(T):
                     a = builder.add(a0_v, c64(j))
                     qe = builder.add(builder.mul(a, K_v), builder.mul(b, c64(16)))
-                    e = builder.add(builder.mul(a, k8), builder.mul(b, c64(4)))
-                    init = splat(builder.call(add4, [st.load(cxb, e, ir.VectorType(i32, 4), 4)]), st.vi)
+                    e = builder.add(builder.mul(a, k8), b)
+                    init = splat(st.load(cxb, e, i32, 4), st.vi)
                     qs = [(broadcast(builder.add(qe, c64(4 * v))), broadcast(builder.add(builder.add(qe, half), c64(4 * v))))
                           for v in range(4)]
                     f = builder.sitofp(st.dot(init, lohi, qs), st.vf)

@@ -22,20 +22,26 @@ import numpy as np
 import kernels.cpu_moe as cm
 from hostinfo import usable_cores
 from kernels.fp4_i8 import MODES
+from kernels import fp4_lanes as fl
 from kernels.fp4_lanes import group_rows
 from kernels.lab.code_prefetch import H, I, TOP_K, ffn_copy, plans
 from kernels.probe_bank import ProbeTooLarge, bank_size
 from kernels.threads import set_threads
 
 
-def copies():
-    """{"lanes": the package as it is, "rows": the superblock kernel on rows in order}: uncached modules."""
-    lanes, rows = ffn_copy(-1, "lanes"), ffn_copy(-1, "rows")
+def copies(l1_ahead):
+    """{"rows": the superblock kernel on rows in order, "lanes" (or "lanes@A" per L1_AHEAD A): the lanes
+    kernel}: uncached modules of kernels/cpu_moe.py, with the L1_AHEAD each lanes copy compiles under."""
     if "LANES_MODES = (" not in open(cm.__file__).read():
         raise RuntimeError("kernels/cpu_moe.py no longer defines LANES_MODES: the copies cannot be told apart")
-    lanes.LANES_MODES, lanes.GROUP = (cm.MODE,), group_rows(cm.MODE)   # read by the copies' kernels when they compile
-    rows.LANES_MODES, rows.GROUP = (), 0
-    return {"lanes": lanes, "rows": rows}
+    rows = ffn_copy(-1, "rows")
+    rows.LANES_MODES, rows.GROUP, rows.l1 = (), 0, None   # read by the copies' kernels when they compile
+    mods = {"rows": rows}
+    for a in l1_ahead or [None]:
+        m = ffn_copy(-1, f"lanes{a}")
+        m.LANES_MODES, m.GROUP, m.l1 = (cm.MODE,), group_rows(cm.MODE), a
+        mods["lanes" if a is None else f"lanes@{a}"] = m
+    return mods
 
 
 def main(argv=None):
@@ -46,6 +52,8 @@ def main(argv=None):
     ap.add_argument("--streams", type=int, default=1, choices=cm.ROW_STREAMS)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=30, help="steps per copy per round")
+    ap.add_argument("--l1-ahead", type=int, nargs="+", default=None,
+                    help="a lanes copy per value of kernels/fp4_lanes.py L1_AHEAD (blocks; < 1 none); default the package's")
     args = ap.parse_args(argv)
     if not cm.MODE:
         raise SystemExit("the scalar path has no lanes kernel: nothing to compare")
@@ -55,7 +63,8 @@ def main(argv=None):
         raise SystemExit(str(e))
     bank = cm.Fp4Bank.random(E, H, I)
     set_threads(args.threads)
-    mods = copies()
+    mods = copies(args.l1_ahead)
+    names = list(mods)
     w = (bank.w13_codes, bank.w13_scales, bank.w2_codes, bank.w2_scales, args.streams, args.inputs, cm.l1_input_bytes())
     print(f"path {MODES[cm.MODE]}, {args.threads} threads, streams {args.streams}, up to {args.inputs} inputs a call, "
           f"bank {E} experts ({E * bank.expert_bytes / 1e9:.1f} GB{'; ' + note if note else ''})", flush=True)
@@ -65,23 +74,29 @@ def main(argv=None):
         wts = np.full((W, TOP_K), 1 / TOP_K, np.float32)
         plan = plans(W, E, rng)
         nbytes = np.mean([len(np.unique(p)) for p in plan]) * bank.expert_bytes
-        for mod in mods.values():                                  # compile
-            mod._ffn(x, plan[0], wts, *w, np.zeros((W, H), np.float32))
+        for mod in mods.values():                                  # compile, each lanes copy under its L1_AHEAD
+            before = fl.L1_AHEAD
+            fl.L1_AHEAD = before if mod.l1 is None else mod.l1
+            try:
+                mod._ffn(x, plan[0], wts, *w, np.zeros((W, H), np.float32))
+            finally:
+                fl.L1_AHEAD = before
         ts = {n: [] for n in mods}
         i = 0
         for r in range(args.rounds):
             for _ in range(args.steps):
-                for n in (("lanes", "rows") if r % 2 == 0 else ("rows", "lanes")):
+                for n in (names if r % 2 == 0 else names[::-1]):
                     y = np.zeros((W, H), np.float32)
                     t0 = time.perf_counter()
                     mods[n]._ffn(x, plan[i % len(plan)], wts, *w, y)
                     ts[n].append(time.perf_counter() - t0)
                 i += 1
-        per = [np.median(ts["rows"][k * args.steps:(k + 1) * args.steps]) / np.median(ts["lanes"][k * args.steps:(k + 1) * args.steps])
-               for k in range(args.rounds)]
-        what = "batch 1" if W == 1 else f"verify {W}"
-        print(f"{what:9s}: lanes {nbytes / np.median(ts['lanes']) / 1e9:5.1f} GB/s, rows {nbytes / np.median(ts['rows']) / 1e9:5.1f} GB/s; "
-              f"lanes / rows per round " + " ".join(f"{v:.3f}" for v in per) + f" (median {np.median(per):.3f})", flush=True)
+        print(f"{'batch 1' if W == 1 else f'verify {W}'}: rows {nbytes / np.median(ts['rows']) / 1e9:5.1f} GB/s", flush=True)
+        for n in names[1:]:
+            per = [np.median(ts["rows"][k * args.steps:(k + 1) * args.steps]) / np.median(ts[n][k * args.steps:(k + 1) * args.steps])
+                   for k in range(args.rounds)]
+            print(f"  {n:9s} {nbytes / np.median(ts[n]) / 1e9:5.1f} GB/s; / rows per round " + " ".join(f"{v:.3f}" for v in per)
+                  + f" (median {np.median(per):.3f})", flush=True)
 
 
 if __name__ == "__main__":

@@ -86,10 +86,12 @@ def test_a_token_in_several_assignments_is_quantized_once_to_the_same_bytes(sbb)
             assert np.array_equal(g[a, :n], w[0, :n]), (a, r)
 
 
-def test_a_non_finite_input_block_reaches_the_output_as_nan():
+@pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("at", [40, 63])                          # mid-block (finite values follow it); the block's last
+def test_a_non_finite_input_block_reaches_the_output_as_nan(value, at):
     bank = Fp4Bank.random(4, 128, 64, seed=3)
     x = np.random.default_rng(0).standard_normal((2, 128)).astype(np.float32)
-    x[1, 40] = np.inf
+    x[1, at] = value
     y = expert_ffn(x, np.array([[1], [1]]), np.ones((2, 1), np.float32), bank)
     assert np.isfinite(y[0]).all() and np.isnan(y[1]).all()
 

@@ -17,7 +17,7 @@ from kernels import cpu_moe
 from kernels.cpu_moe import Fp4Bank, _prepare, expert_ffn, expert_ffn_reference, random_bytes
 from kernels.formats import dequantize_mxfp4, quantize_act
 from kernels.fp4_i8 import STEP
-from kernels.fp4_lanes import fp4_lanes_dot, group_rows, to_lanes, to_rows
+from kernels.fp4_lanes import BLOCK_ENTRIES, fp4_lanes_dot, group_rows, to_lanes, to_rows
 
 PATHS = {"avx2": 1, "avx512": 2, "avx512vnni": 3, "avx512vbmi": 4, "avx2vnni": 5}
 
@@ -38,6 +38,21 @@ def test_the_lanes_layout_moves_every_rows_bytes_and_back(group, n, blocks, lead
         assert sv[e, r // group, :, r % group].tolist() == scales[e, r].tolist()
     back = to_rows(c, s, group)
     assert np.array_equal(back[0], codes) and np.array_equal(back[1], scales)
+
+
+def test_the_lanes_inputs_are_the_in_order_inputs_with_one_entry_a_block():
+    """`_prepare(.., BLOCK_ENTRIES)`: the q bytes of the layout without superblocks, and entry b the sum of
+    that layout's 4 offset shares of block b with its scale; a non-finite block keeps its NaN scale."""
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((3, 352)) * 10.0 ** rng.integers(-4, 4, (3, 1))).astype(np.float32)
+    x[2, 100] = np.nan
+    rows = np.array([0, 2, 1, 2])
+    q0, c0, r0 = _prepare(x, rows, 0)
+    q1, c1, r1 = _prepare(x, rows, BLOCK_ENTRIES)
+    nb = 352 // 32
+    assert np.array_equal(q0, q1)
+    assert np.array_equal(c1[:, :nb], c0.reshape(4, nb, 4).sum(-1))
+    assert np.array_equal(r1[:, :nb], r0[:, ::4], equal_nan=True) and np.isnan(r1[1, 3]) and np.isnan(r1[3, 3])
 
 
 def _gemv(mode, G, T):
@@ -72,7 +87,7 @@ def test_every_simd_path_against_float64_with_the_same_bits_for_any_groups_and_i
         x = (rng.standard_normal((T, K)) * np.repeat(np.logspace(-3, 3, K // 32), 32)).astype(np.float32)
         x[6, 5] = np.inf                                               # input 6: NaN everywhere
         lc, ls = to_lanes(codes, scales, R)
-        xq, xc, xr = (a.reshape(-1) for a in _prepare(x, np.arange(T), 0))
+        xq, xc, xr = (a.reshape(-1) for a in _prepare(x, np.arange(T), BLOCK_ENTRIES))
         outs = {}
         for G, Tc in ((1, 1), (4, 7), (2, 3)):
             out = np.full((T, N), -1.0, np.float32)
