@@ -2,10 +2,14 @@
 toy inputs: one-time process costs, kept out of what a plan's run is measured to add."""
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import torch
 
-from kernels import decode_attn, decode_layer, engram_gate, indexer_top, kv_quant, latent_rows, norms, router, window_keys
+from kernels import (decode_attn, decode_layer, engram_gate, engram_hash, indexer_top, kv_quant, latent_rows, norms, router,
+                     window_keys)
+from kernels.bf16_dense import Bf16Weight, bf16_linear
 from kernels.cpu_moe import LANES, STAB, Fp4Bank, expert_ffn
 from kernels.fp8_dense import E4M3, TILE_MIN_TOKENS, Fp8Weight, fp8_linear
 
@@ -18,6 +22,7 @@ def warm_up(threads: int | None = None) -> None:
         expert_ffn(x, np.zeros((T, 1), np.int64), np.ones((T, 1), np.float32), bank, threads=threads)
         w = Fp8Weight(rng.integers(0, 0x7e, (64, 64), dtype=np.uint8), np.full((2, 2), 120, np.uint8), (32, 32))
         fp8_linear(torch.from_numpy(x), w, threads=threads)
+        bf16_linear(torch.from_numpy(x), Bf16Weight(rng.integers(0, 0x3f80, (64, 64), dtype=np.uint16)), threads=threads)
     torch.ones(64, 64) @ torch.ones(64, 64)
     _decode_step(rng)
 
@@ -31,8 +36,10 @@ def _decode_step(rng) -> None:
         norms.rope(f32(T, 2, 64), f32(T, 32), f32(T, 32), f32(T, 2, 64))
         router.route(f32(T, 8), f32(8), 1.0, np.empty((T, 2), np.int64), f32(T, 2))
         router.with_row(np.zeros((T, 2), np.int64), f32(T, 2), 3)
+    norms.rope_tables(np.arange(3, dtype=np.int64), np.ones(4), f32(3, 4), f32(3, 4))
     K, V = f32(9, 16), f32(9, 16)
     ring = (f32(4, 16), f32(4, 16), np.arange(4, dtype=np.int64))
+    window_keys.write(ring, np.arange(2, dtype=np.int64), f32(2, 16), f32(2, 16))
     window_keys.gather(ring, 4, 4, f32(16), f32(16), K, V, 2)
     decode_attn.attend(ring, 4, 4, f32(16), f32(16), K, V, 2, 0, f32(2, 16), 0.25, f32(2, 16))
     codes, scale = rng.integers(0, 0x7e, (6, 16), dtype=np.uint8), np.ones(6, np.float32)
@@ -48,6 +55,8 @@ def _decode_step(rng) -> None:
                         (np.zeros((4, 8), np.uint8), np.zeros((4, 1), np.uint8)), (np.zeros((4, 8), np.uint8), np.zeros(4, np.float32)))
     if LANES:                                     # the fused decode takes the SIMD GEMVs only (decode_layer.fits)
         _fused_layer(rng, f32)
+    engram_hash.engram_rows(np.arange(5, dtype=np.int64), 2, 7, 3, 2, np.full(4, 11, np.int64), np.zeros(4, np.int64),
+                            np.arange(4, dtype=np.uint64))
     for T in (1, 4):                                                          # Engram rows and gate
         engram_gate.rows(rng.integers(0, 0x7e, (8, 64), dtype=np.uint8), np.full((8, 2), 120, np.uint8),
                          np.arange(T, dtype=np.int64), E4M3, STAB, f32(T, 64))
@@ -74,3 +83,24 @@ def _fused_layer(rng, f32) -> None:
                                 n_vis, u8(6, 16), np.ones(6, np.float32), indexer_top.E4M3, f32(2, 16), f32(2),
                                 np.zeros(4, np.int64), np.ones(4, np.bool_), r, u8(6, C // 2), np.full((6, C // 16), 56, np.uint8),
                                 latent_rows.PAIRS, indexer_top.E4M3, 16, np.ones(C // 2), 2)
+
+
+def specializations() -> dict:
+    """{module.function: how many signatures it holds compiled} of every numba dispatcher in the project's loaded modules
+    (kernels.*, runtime.*), read, not imported. A run compares it before and after: a dispatcher that
+    gained one compiled (or loaded from numba's cache) during the run, which the warm-up should have
+    done; its compiler's memory lands in what the run measures."""
+    from numba.core.dispatcher import Dispatcher
+    out = {}
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not name.startswith(("kernels.", "runtime.")):
+            continue
+        for attr, f in list(vars(mod).items()):
+            if isinstance(f, Dispatcher) and f.__module__ == name:
+                out[f"{name}.{attr}"] = len(f.overloads)
+    return out
+
+
+def added_since(before: dict) -> list:
+    """The dispatchers (module.function) with more signatures than in `before` (specializations())."""
+    return sorted(k for k, n in specializations().items() if n > before.get(k, 0))

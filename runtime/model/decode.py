@@ -218,7 +218,7 @@ def work_shapes(cfg) -> dict:
 
 
 # decode_layer.attend_one's arguments a layer does not use, typed as the used ones
-NO_INDEX = (np.zeros((0, 0), np.uint8), np.zeros(0, np.float32), np.zeros(256, np.float32), np.zeros((0, 0), np.float32),
+NO_INDEX = (np.zeros((0, 0), np.uint8), np.zeros(0, np.float32), indexer_top.E4M3, np.zeros((0, 0), np.float32),
             np.zeros(0, np.float32))
 NO_ROWS = (np.zeros(1, np.int64), np.zeros(1, np.bool_))
 NO_OUTPUT = np.zeros((0, 0), np.float32)          # decode_layer.attn_in's outputs a layer does not have

@@ -415,7 +415,7 @@ class Model:
         c = self.cfg
         if not c.engram_layer_ids:
             return {}
-        cids = self.cmap[np.asarray(st.tokens, dtype=np.int64)]
+        cids = self.cmap[np.asarray(st.tokens, dtype=np.int64)].astype(np.int64)       # [T] int64, as engram_rows takes
         return {i: engram_rows(cids, p0, c.engram_compressed_vocab_size, c.engram_max_ngram_size, c.engram_n_heads,
                                primes, offsets, seeds) for i, (primes, offsets, seeds) in self.engram_ranges.items()}
 
