@@ -46,9 +46,11 @@ LANES = {"avx512vbmi": 16, "avx512vnni": 16, "avx512": 16, "avx2vnni": 8, "avx2"
 MODE = {"avx512vbmi": 4, "avx512vnni": 3, "avx512": 2, "avx2vnni": 5, "avx2": 1, "scalar": 0}[ISA]        # fp4_i8_dot's path
 SUPERBLOCK = superblock_bytes(MODE)                                      # the inputs' layout (kernels/fp4_i8.py)
 # The banks' layout on this path: lanes as rows (kernels/fp4_lanes.py), GROUP rows a vector, where it was
-# measured faster than the superblock kernel; 0 keeps rows in order. Zen 4 VM (AVX-512 VNNI + VBMI), 2
-# threads, V4.1 geometry (benchmarks/cpu_moe.py, kernels/lab/README.md "lanes as rows in the package").
-LANES_MODES = (4,)
+# measured against the superblock kernel; 0 keeps rows in order. Zen 4 VM, 2 threads, V4.1 geometry, each
+# path forced (kernels/lab/lanes_ab.py; kernels/lab/README.md "lanes as rows in the package"): batch 1
+# 0.92-1.02x, verify 4-8 1.05-1.64x, 16-64 tokens 0.99-1.71x. AVX2 + AVX-VNNI (5) was not measured: no host
+# here has it.
+LANES_MODES = (1, 2, 3, 4)
 GROUP = group_rows(MODE) if MODE in LANES_MODES else 0
 # Compiled code is cached on disk for the host's path, and for a forced path where it has a cache
 # directory of its own (kernels/__init__.py); else a forced path (tests) compiles in memory, so no
