@@ -38,7 +38,10 @@ from kernels.fp4_simd import _data_ptrs, _literal, prefetch_weights
 
 i8, i32, i64, f32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 BLOCK_ENTRIES = -1          # `_prepare`'s sbb for this kernel's inputs: in order, one xc / xr entry per 32-block
-L1_AHEAD = 0                # a group's codes also prefetched into L1 this many blocks ahead (< 1: none); read when emitted
+# A group's codes also prefetched into L1 this many bytes ahead (< 1: none; read when the kernel is emitted;
+# kernels/lab/lanes_ab.py --l1-ahead). Zen 4 VM, V4.1 geometry, 2 threads, lanes / rows kernel: batch 1
+# 0.97 -> 1.02, verify 8 1.70 -> 1.75 (VBMI path: 8 blocks of 16 rows); AVX2 (8 rows) 1.01 -> 1.02-1.05.
+L1_AHEAD = 2048
 
 
 def group_rows(mode: int) -> int:
@@ -104,7 +107,7 @@ def fp4_lanes_dot(typingctx, G_t, T_t, mode_t, codes, c_off, g_stride, scales, s
                 for k in range(0, 16 * R, 64):
                     prefetch_weights(builder, prefetch, builder.gep(cb, [builder.add(gc, c64(k))]))
                     if L1_AHEAD > 0:
-                        builder.call(prefetch, [builder.gep(cb, [builder.add(gc, c64(k + 16 * R * L1_AHEAD))]), ir.Constant(i32, 0),
+                        builder.call(prefetch, [builder.gep(cb, [builder.add(gc, c64(k + L1_AHEAD))]), ir.Constant(i32, 0),
                                                 ir.Constant(i32, 3), ir.Constant(i32, 1)])
                 lohi = [st.decode(st.load(cb, builder.add(gc, c64(4 * R * v)), st.vb)) for v in range(4)]
                 s_at = builder.add(builder.add(s_off_v, builder.mul(c64(g), gs_stride_v)), builder.mul(b, c64(R)))

@@ -1,6 +1,7 @@
 """Lab: the package's expert FFN with lanes as rows against the superblock kernel, whole steps interleaved.
 
   python -m kernels.lab.lanes_ab [--widths 1 2 4 6 8] [--inputs 4] [--streams 1] [--rounds 4] [--steps 30]
+                                [--l1-ahead A ...] [--prefetch D ...]
 
 kernels/cpu_moe.py builds its banks in the lanes layout on the paths in LANES_MODES (kernels/fp4_lanes.py)
 and keeps rows in order elsewhere. Here both are the package's own code: kernels/cpu_moe.py executed
@@ -23,25 +24,42 @@ import kernels.cpu_moe as cm
 from hostinfo import usable_cores
 from kernels.fp4_i8 import MODES
 from kernels import fp4_lanes as fl
+from kernels import fp4_simd as simd
 from kernels.fp4_lanes import group_rows
 from kernels.lab.code_prefetch import H, I, TOP_K, ffn_copy, plans
 from kernels.probe_bank import ProbeTooLarge, bank_size
 from kernels.threads import set_threads
 
 
-def copies(l1_ahead):
-    """{"rows": the superblock kernel on rows in order, "lanes" (or "lanes@A" per L1_AHEAD A): the lanes
-    kernel}: uncached modules of kernels/cpu_moe.py, with the L1_AHEAD each lanes copy compiles under."""
+def copies(l1_ahead, prefetch=None):
+    """{"rows": the superblock kernel on rows in order, "lanes" (or "lanes@A~D" per L1_AHEAD A and
+    WEIGHT_PREFETCH D): the lanes kernel}: uncached modules of kernels/cpu_moe.py, with the settings each
+    lanes copy compiles under (None: the package's)."""
     if "LANES_MODES = (" not in open(cm.__file__).read():
         raise RuntimeError("kernels/cpu_moe.py no longer defines LANES_MODES: the copies cannot be told apart")
     rows = ffn_copy(-1, "rows")
-    rows.LANES_MODES, rows.GROUP, rows.l1 = (), 0, None   # read by the copies' kernels when they compile
+    rows.LANES_MODES, rows.GROUP, rows.emit = (), 0, {}   # read by the copies' kernels when they compile
     mods = {"rows": rows}
     for a in l1_ahead or [None]:
-        m = ffn_copy(-1, f"lanes{a}")
-        m.LANES_MODES, m.GROUP, m.l1 = (cm.MODE,), group_rows(cm.MODE), a
-        mods["lanes" if a is None else f"lanes@{a}"] = m
+        for d in prefetch or [None]:
+            name = "lanes" + ("" if a is None else f"@{a}") + ("" if d is None else f"~{d}")
+            m = ffn_copy(-1, name)
+            m.LANES_MODES, m.GROUP = (cm.MODE,), group_rows(cm.MODE)
+            m.emit = {k: v for k, v in ((fl, ("L1_AHEAD", a)), (simd, ("WEIGHT_PREFETCH", d))) if v[1] is not None}
+            mods[name] = m
     return mods
+
+
+def compile_under(mod, call):
+    """Run `call` (the copy's first, compiling call) with the module settings the copy is emitted under."""
+    saved = [(m, k, getattr(m, k)) for m, (k, _) in mod.emit.items()]
+    try:
+        for m, (k, v) in mod.emit.items():
+            setattr(m, k, v)
+        call()
+    finally:
+        for m, k, v in saved:
+            setattr(m, k, v)
 
 
 def main(argv=None):
@@ -53,7 +71,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=30, help="steps per copy per round")
     ap.add_argument("--l1-ahead", type=int, nargs="+", default=None,
-                    help="a lanes copy per value of kernels/fp4_lanes.py L1_AHEAD (blocks; < 1 none); default the package's")
+                    help="a lanes copy per value of kernels/fp4_lanes.py L1_AHEAD (bytes; < 1 none); default the package's")
+    ap.add_argument("--prefetch", type=int, nargs="+", default=None,
+                    help="... and per kernels/fp4_simd.py WEIGHT_PREFETCH (bytes ahead into L2; < 0 none); default the package's")
     args = ap.parse_args(argv)
     if not cm.MODE:
         raise SystemExit("the scalar path has no lanes kernel: nothing to compare")
@@ -63,7 +83,7 @@ def main(argv=None):
         raise SystemExit(str(e))
     bank = cm.Fp4Bank.random(E, H, I)
     set_threads(args.threads)
-    mods = copies(args.l1_ahead)
+    mods = copies(args.l1_ahead, args.prefetch)
     names = list(mods)
     w = (bank.w13_codes, bank.w13_scales, bank.w2_codes, bank.w2_scales, args.streams, args.inputs, cm.l1_input_bytes())
     print(f"path {MODES[cm.MODE]}, {args.threads} threads, streams {args.streams}, up to {args.inputs} inputs a call, "
@@ -74,13 +94,8 @@ def main(argv=None):
         wts = np.full((W, TOP_K), 1 / TOP_K, np.float32)
         plan = plans(W, E, rng)
         nbytes = np.mean([len(np.unique(p)) for p in plan]) * bank.expert_bytes
-        for mod in mods.values():                                  # compile, each lanes copy under its L1_AHEAD
-            before = fl.L1_AHEAD
-            fl.L1_AHEAD = before if mod.l1 is None else mod.l1
-            try:
-                mod._ffn(x, plan[0], wts, *w, np.zeros((W, H), np.float32))
-            finally:
-                fl.L1_AHEAD = before
+        for mod in mods.values():                                  # compile, each lanes copy under its settings
+            compile_under(mod, lambda: mod._ffn(x, plan[0], wts, *w, np.zeros((W, H), np.float32)))
         ts = {n: [] for n in mods}
         i = 0
         for r in range(args.rounds):
