@@ -1,8 +1,8 @@
 """ds_fp4 x int8 dot products on the CPU, emitted as LLVM IR from a numba intrinsic.
 
-This is the kernel for banks with rows in order. On the paths in kernels/cpu_moe.py `LANES_MODES`
-(AVX-512 VNNI + VBMI) the banks are built 16 rows a vector and kernels/fp4_lanes.py serves them; its
-`_Step` (decode, scales, products) is this module's.
+This is the kernel for banks with rows in order (AVX2 + AVX-VNNI, and any path taken out of
+kernels/cpu_moe.py `LANES_MODES`). On the paths in LANES_MODES the banks are built 16 rows a vector (8
+with AVX2) and kernels/fp4_lanes.py serves them; its `_Step` (decode, scales, products) is this module's.
 
 The float kernel it replaced (kernels/lab/fp4_float_dot.py) spends ~8 vector uops per 16 code bytes (zero-extend, shift, two
 permutes, three FP ops) and is compute-bound at ~10 GB/s per core. Here an expert's input is quantized
