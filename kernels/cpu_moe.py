@@ -48,8 +48,8 @@ SUPERBLOCK = superblock_bytes(MODE)                                      # the i
 # The banks' layout on this path: lanes as rows (kernels/fp4_lanes.py), GROUP rows a vector, where it was
 # measured against the superblock kernel; 0 keeps rows in order. Zen 4 VM, 2 threads, V4.1 geometry, each
 # path forced (kernels/lab/lanes_ab.py; kernels/lab/README.md "lanes as rows in the package"): batch 1
-# 0.92-1.02x, verify 4-8 1.05-1.64x, 16-64 tokens 0.99-1.71x. AVX2 + AVX-VNNI (5) was not measured: no host
-# here has it.
+# 0.92-1.02x before the lanes kernel's L1 prefetch (kernels/fp4_lanes.py L1_AHEAD), 0.95-1.05x with it;
+# verify 4-8 1.05-1.78x, 16-64 tokens 0.99-1.71x. AVX2 + AVX-VNNI (5) was not measured: no host here has it.
 LANES_MODES = (1, 2, 3, 4)
 GROUP = group_rows(MODE) if MODE in LANES_MODES else 0
 # Compiled code is cached on disk for the host's path, and for a forced path where it has a cache

@@ -2,8 +2,6 @@
 toy inputs: one-time process costs, kept out of what a plan's run is measured to add."""
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import torch
 
@@ -84,23 +82,3 @@ def _fused_layer(rng, f32) -> None:
                                 np.zeros(4, np.int64), np.ones(4, np.bool_), r, u8(6, C // 2), np.full((6, C // 16), 56, np.uint8),
                                 latent_rows.PAIRS, indexer_top.E4M3, 16, np.ones(C // 2), 2)
 
-
-def specializations() -> dict:
-    """{module.function: how many signatures it holds compiled} of every numba dispatcher in the project's loaded modules
-    (kernels.*, runtime.*), read, not imported. A run compares it before and after: a dispatcher that
-    gained one compiled (or loaded from numba's cache) during the run, which the warm-up should have
-    done; its compiler's memory lands in what the run measures."""
-    from numba.core.dispatcher import Dispatcher
-    out = {}
-    for name, mod in list(sys.modules.items()):
-        if mod is None or not name.startswith(("kernels.", "runtime.")):
-            continue
-        for attr, f in list(vars(mod).items()):
-            if isinstance(f, Dispatcher) and f.__module__ == name:
-                out[f"{name}.{attr}"] = len(f.overloads)
-    return out
-
-
-def added_since(before: dict) -> list:
-    """The dispatchers (module.function) with more signatures than in `before` (specializations())."""
-    return sorted(k for k, n in specializations().items() if n > before.get(k, 0))

@@ -303,14 +303,15 @@ def _aligned(n: int):
     return mmap.mmap(-1, max(n, BLOCK))
 
 
-def warm_up(path: str) -> list[str]:
-    """Compile each engine's read loop (not cacheable: see above) by reading the first block of `path`
-    through it with O_DIRECT, so that a run's measurement holds none of the compiler's memory. Engines the
-    kernel or the filesystem refuses are skipped (where O_DIRECT is refused the read is buffered: call this
-    before evicting `path`). -> the engines that read."""
+def warm_up(path: str, engines) -> list[str]:
+    """Compile the read loops of `engines` (IO_ENGINES names; "auto" as a reader given none resolves it)
+    by reading the first block of `path` through each with O_DIRECT: the loops are not cacheable (see
+    above), so a run's measurement would otherwise hold their compiler's memory. An engine the kernel
+    refuses is skipped; where the filesystem refuses O_DIRECT the read is buffered (call this before
+    evicting `path`). -> the engines that served the reads."""
     done = []
-    for engine in ("threads", *dict(ASYNC)):
-        r = BatchedReader(depth=1, direct=True, engine=engine, arena_bytes=None)
+    for engine in sorted(set(engines)):
+        r = BatchedReader(depth=1, direct=True, engine=None if engine == "auto" else engine, arena_bytes=None)
         try:
             r.read([(path, 0, min(BLOCK, os.path.getsize(path)))])
             done.append(r.engine_used)

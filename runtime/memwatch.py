@@ -9,6 +9,7 @@ the mapping's pages the runtime touched (page cache; reclaimable). Elsewhere: No
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from pathlib import Path
@@ -105,3 +106,24 @@ class RssWatch:
         return {"anon_start": self.start["anon"], "anon_added": self.peak["anon"] - self.start["anon"],
                 "file_start": self.start["file"], "file_added": self.peak["file"] - self.start["file"],
                 "samples": self.samples, "interval_s": self.interval_s}
+
+
+def specializations() -> dict:
+    """{module.function: how many signatures it holds compiled} of every numba dispatcher in the
+    project's loaded modules (kernels.*, runtime.*), read, not imported. A run compares it before and
+    after: a dispatcher that gained one during the run (compiled, or loaded from numba's cache) is one
+    the warm-up (kernels/warm.py) missed, and its compiler's memory lands in what the run measures."""
+    from numba.core.dispatcher import Dispatcher
+    out = {}
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not name.startswith(("kernels.", "runtime.")):
+            continue
+        for attr, f in list(vars(mod).items()):
+            if isinstance(f, Dispatcher) and f.__module__ == name:
+                out[f"{name}.{attr}"] = len(f.overloads)
+    return out
+
+
+def added_since(before: dict) -> list:
+    """The dispatchers (module.function) with more signatures than in `before` (specializations())."""
+    return sorted(k for k, n in specializations().items() if n > before.get(k, 0))

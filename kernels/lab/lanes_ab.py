@@ -25,7 +25,6 @@ from hostinfo import usable_cores
 from kernels.fp4_i8 import MODES
 from kernels import fp4_lanes as fl
 from kernels import fp4_simd as simd
-from kernels.fp4_lanes import group_rows
 from kernels.lab.code_prefetch import H, I, TOP_K, ffn_copy, plans
 from kernels.probe_bank import ProbeTooLarge, bank_size
 from kernels.threads import set_threads
@@ -38,13 +37,13 @@ def copies(l1_ahead, prefetch=None):
     if "LANES_MODES = (" not in open(cm.__file__).read():
         raise RuntimeError("kernels/cpu_moe.py no longer defines LANES_MODES: the copies cannot be told apart")
     rows = ffn_copy(-1, "rows")
-    rows.LANES_MODES, rows.GROUP, rows.emit = (), 0, {}   # read by the copies' kernels when they compile
+    rows.LANES_MODES, rows.GROUP, rows.emit = (), 0, {}   # LANES_MODES, GROUP: read by the copy's kernels as they compile
     mods = {"rows": rows}
     for a in l1_ahead or [None]:
         for d in prefetch or [None]:
             name = "lanes" + ("" if a is None else f"@{a}") + ("" if d is None else f"~{d}")
             m = ffn_copy(-1, name)
-            m.LANES_MODES, m.GROUP = (cm.MODE,), group_rows(cm.MODE)
+            m.LANES_MODES, m.GROUP = (cm.MODE,), fl.group_rows(cm.MODE)
             m.emit = {k: v for k, v in ((fl, ("L1_AHEAD", a)), (simd, ("WEIGHT_PREFETCH", d))) if v[1] is not None}
             mods[name] = m
     return mods

@@ -56,9 +56,9 @@ def _memory_rows(memory) -> list:
 def cmd_run(args) -> int:
     from tokenizers import Tokenizer
 
-    from kernels.warm import added_since, specializations, warm_up
+    from kernels.warm import warm_up
     from runtime.budget import check_plan, check_request, planned_bytes
-    from runtime.memwatch import RssWatch
+    from runtime.memwatch import RssWatch, added_since, specializations
     from runtime.checkpoint.reader import Checkpoint
     from runtime.engine import Engine
     from runtime.io_reader import warm_up as warm_readers
@@ -71,7 +71,9 @@ def cmd_run(args) -> int:
     prompt = make_prompt(Tokenizer.from_file(str(ck.root / "tokenizer.json")), args.prompt_tokens, seed=args.prompt_seed)
     files = [str(ck.root / s) for s in ck.shards]
     runs, resident = {}, None
-    warm_readers(files[0])                             # the I/O engines' compiled loops (before the eviction)
+    engines = (["auto"] if plan.expert_nvme_path == "nvme_direct" else []) + \
+              ([plan.engram_io_engine] if plan.engram_placement == "nvme_direct" else [])
+    warm_readers(files[0], engines)                    # the plan's I/O engines' compiled loops (before the eviction)
     if not args.no_cold:
         evict(files)
         resident = sum(resident_fraction(f) for f in files) / len(files)

@@ -415,8 +415,9 @@ class Model:
         c = self.cfg
         if not c.engram_layer_ids:
             return {}
-        cids = self.cmap[np.asarray(st.tokens, dtype=np.int64)].astype(np.int64)       # [T] int64, as engram_rows takes
-        return {i: engram_rows(cids, p0, c.engram_compressed_vocab_size, c.engram_max_ngram_size, c.engram_n_heads,
+        lo = max(0, p0 - (c.engram_max_ngram_size - 1))    # the tokens position p0's n-grams reach back to
+        cids = self.cmap[np.asarray(st.tokens[lo:], dtype=np.int64)].astype(np.int64)   # int64, as engram_rows takes
+        return {i: engram_rows(cids, p0 - lo, c.engram_compressed_vocab_size, c.engram_max_ngram_size, c.engram_n_heads,
                                primes, offsets, seeds) for i, (primes, offsets, seeds) in self.engram_ranges.items()}
 
     def _engram(self, i, h, row_ids):

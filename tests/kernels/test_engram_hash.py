@@ -42,3 +42,16 @@ def test_rows_depend_only_on_the_ngram():
     c = np.array([1, 2, 7, 8, 9, 11])           # a different last token changes every order
     rc = engram_rows(c, 5, 50, 4, 2, primes, offsets, seeds)
     assert (rc != ra).all()
+
+
+@pytest.mark.parametrize("start", [0, 1, 3, 4, 40])
+def test_a_sequence_cut_where_the_ngrams_reach_gives_the_same_rows(start):
+    """The runtime hashes only the tokens from start - (max_ngram - 1) (runtime/model/transformer.py
+    _engram_row_ids), not the whole sequence: the rows of positions start.. are the same."""
+    S, n = 6, 4
+    primes, offsets = slot_ranges(4000, S)
+    seeds = slot_seeds(2, S)
+    cids = np.random.default_rng(start).integers(0, 50, 48)
+    lo = max(0, start - (n - 1))
+    whole = engram_rows(cids, start, 50, n, 2, primes, offsets, seeds)
+    assert np.array_equal(engram_rows(cids[lo:], start - lo, 50, n, 2, primes, offsets, seeds), whole)

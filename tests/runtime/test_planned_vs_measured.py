@@ -2,9 +2,9 @@
 process), on a tiny geometry with bigger experts (107 MB of them, so the plan's bytes stand clear of
 the interpreter's; the NVMe plans keep 86 MB resident, so the few MB of per-process I/O overhead on
 the O_DIRECT path that no formula models stay inside the bound), for each placement and strategy a
-CPU host runs. The warm-up leaves no kernel for the run to compile. The anonymous RSS a run adds (private and shared) is within 10% of what
-runtime/budget.py plans, the checkpoint mapping's resident pages within 10% of the mapped bytes it
-plans. Mini: benchmarks/memory.py."""
+CPU host runs. The warm-up leaves no kernel for the run to compile. The anonymous RSS a run adds
+(private and shared) is within 10% of what runtime/budget.py plans, the checkpoint mapping's resident
+pages within 10% of the mapped bytes it plans. Mini: benchmarks/memory.py."""
 import json
 import subprocess
 import sys
