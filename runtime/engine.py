@@ -22,7 +22,7 @@ from runtime import budget
 from runtime.budget import check_plan, check_request
 from runtime.checkpoint.reader import Checkpoint
 from runtime.engram_store import EngramStore
-from runtime.memwatch import hand_back_freed_memory
+from runtime.memwatch import keep_freed_memory
 from runtime.experts import PlacedExperts, ReferenceExperts
 from runtime.model.transformer import Model
 from runtime.model.weights import load_dense
@@ -124,10 +124,11 @@ class Engine:
         self.plan = plan or Plan()
         self.reference = reference
         self.footprint = self.ck.footprint()                # once: it walks every tensor's header entry
-        hand_back_freed_memory()                            # the process holds what the plan counts
         dtype = torch.float64 if reference else torch.float32
         # dense weights and attention on the device (CUDA when present, else the CPU)
         self.device = "cpu" if reference else (device or ("cuda" if cuda_available() else "cpu"))
+        # freed temporaries kept for the next layer, up to what the plan counts of them
+        keep_freed_memory(budget.transient_bytes(self.plan, self.footprint, "cpu" if self.device == "cpu" else "host"))
         if not reference:
             check_plan(self.plan, self.footprint, dense_on_host=self.device == "cpu")
         t0 = time.perf_counter()

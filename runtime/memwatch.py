@@ -15,22 +15,32 @@ import time
 from pathlib import Path
 
 STATUS = Path("/proc/self/status")
-M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8      # glibc mallopt parameters
-MMAP_THRESHOLD = 256 << 10
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8      # glibc mallopt parameters
+MMAP_THRESHOLD = 32 << 20   # the largest glibc's mallopt takes on 64-bit (half its 64 MiB heap size)
 ARENA_MAX = 2
 
 
-def hand_back_freed_memory() -> bool:
-    """Serve blocks >= 256 KiB from their own mappings (glibc mallopt M_MMAP_THRESHOLD), so freed
-    activations go back to the OS at once. glibc's default raises that threshold as big blocks are
-    freed, keeping them in its heap: on tiny that held ~10 MB (20%) above what the plan counts after
-    a long prefill. And at most 2 malloc arenas: each new thread (the I/O workers, the Engram
-    prefetch) would otherwise get its own, ~0.4 MB resident each. -> whether it took (False off glibc)."""
+def keep_freed_memory(transient_bytes: int) -> bool:
+    """glibc's allocator set to keep what a forward frees for the next one, up to the forward's
+    temporaries the plan counts (`transient_bytes`, runtime/budget.py), and no more:
+    - blocks under 32 MiB come from the heap (M_MMAP_THRESHOLD, fixed: glibc's default moves it up as
+      big blocks are freed), so a layer's temporaries reuse the pages the last layer's freed; from
+      their own mappings (the former setting, 256 KiB) every layer of a prefill page-faulted its
+      temporaries afresh: 420 k faults a 256-token prefill on mini, the first token 6.7-7.1 s against
+      4.9-5.0 s for a 512-token prompt on the Zen 4 VM (kernels/lab/README.md);
+    - free memory at the heap's top goes back to the OS past `transient_bytes` (M_TRIM_THRESHOLD,
+      128 KiB by default once the threshold above is fixed), so between forwards the process holds at
+      most the temporaries the plan already counts;
+    - at most 2 malloc arenas: each new thread (the I/O workers, the Engram prefetch) would otherwise
+      get its own, ~0.4 MB resident each.
+    -> whether it took (False off glibc)."""
     import ctypes
     import ctypes.util
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(M_ARENA_MAX, ARENA_MAX))
+        trim = max(int(transient_bytes), 128 << 10)
+        return (bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(M_TRIM_THRESHOLD, trim))
+                and bool(libc.mallopt(M_ARENA_MAX, ARENA_MAX)))
     except (OSError, AttributeError):
         return False
 
