@@ -21,12 +21,16 @@ here (each timed on the checkpoint's bank; `--streams` and `--inputs` force one)
   Each of --rounds rounds runs the engine, then measures its limits (the stream, the kernels), so a
   round's ratios divide by limits taken beside it (this host's bandwidth drifts between minutes); the
   medians are printed with their spread, every round kept in the JSON.
-prefill: one chunk over the prompt; roofline = P / max(full-pass bytes / stream, P x FLOP per token /
-the host's peak matmul FLOP/s), the peak measured in this run (the better of torch's float32 and bf16
-2048^3 matmuls: the host's, not the project's kernel); FLOP per token = routed and shared experts (2 x 3 H I (K + shared) L)
-+ the dense linears (2 x their weights); attention's FLOP left out (the roofline is then an upper
-bound). Also shown: the same bound at the CPU-MoE kernel's own FLOP/s at the prompt's width. The mini
-checkpoint is made (about 2 minutes) if absent.
+prefill: one chunk over the prompt; roofline = P / max(full-pass bytes / stream, P x (expert ops per token /
+the host's int8 products peak + dense FLOP per token / its peak matmul FLOP/s)), both peaks measured in
+this run and neither the project's kernel: the int8 peak is kernels/int8_peak.py's (the products the
+CPU-MoE kernel runs, u8 x s8 into int32, at its instruction mix, all in L1: 2 ops a product), the matmul
+peak the better of torch's float32 and bf16 2048^3 matmuls (the prefill's dense tiles run there; on the
+scalar path, with no int8 SIMD, the experts are held to it too). Expert ops per token = routed and
+shared experts (2 x 3 H I (K + shared) L), dense FLOP = 2 x the dense linears' weights; attention's
+FLOP left out (the roofline is then an upper bound). An earlier form held the experts' int8 products to
+the float matmul peak, a bound the run beat (1.13 on the Zen 4 VM). Also shown: the same bound at the
+CPU-MoE kernel's own FLOP/s at the prompt's width. The mini checkpoint is made (about 2 minutes) if absent.
 """
 from __future__ import annotations
 
@@ -49,7 +53,8 @@ from autotune.probes.cpu_moe import row_inputs, row_streams  # noqa: E402
 from hostinfo.measure import measure  # noqa: E402
 from kernels.stream import dram_stream_read  # noqa: E402
 from kernels.bf16_dense import Bf16Weight  # noqa: E402
-from kernels.cpu_moe import expert_ffn  # noqa: E402
+from kernels.cpu_moe import GROUP, MODE, expert_ffn  # noqa: E402
+from kernels.int8_peak import measure_peak  # noqa: E402
 from kernels.fp8_dense import Fp8Weight  # noqa: E402
 from runtime.checkpoint.reader import Checkpoint  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
@@ -244,14 +249,15 @@ def main(argv=None):
     routed_flop = 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * (K + cfg.n_shared_experts) * L   # routed + shared experts
     dense_flop = 2 * sum(w.shape[0] * w.shape[1] for w in dense)
     peak = matmul_peak_flops(T)
-    t_flop = P * (routed_flop + dense_flop) / peak
+    int8_ops = 2 * measure_peak(MODE, T, lanes=bool(GROUP)).median if MODE else peak   # ops/s: 2 a product
+    t_flop = P * (routed_flop / int8_ops + dense_flop / peak)
     prefill_roof = P / max(t_bytes, t_flop)
     kernel_roof = P / max(t_bytes, P * routed_flop / flops + P * dense_flop / peak)
     out = {"decode_tok_s": decode, "decode_roofline_tok_s": roof, "decode_ratio": med("decode_ratio"),
            "decode_kernel_bound_tok_s": 1 / t_kernel, "decode_kernel_ratio": med("decode_kernel_ratio"),
            "moe_engine_vs_replay": med("moe_engine_vs_replay"),
            "prefill_tok_s": prefill, "prefill_roofline_tok_s": prefill_roof, "prefill_ratio": prefill / prefill_roof,
-           "matmul_peak_gflops": peak / 1e9, "cpu_moe_prefill_gflops": flops / 1e9,
+           "matmul_peak_gflops": peak / 1e9, "int8_peak_gops": int8_ops / 1e9, "cpu_moe_prefill_gflops": flops / 1e9,
            "prefill_kernel_roofline_tok_s": kernel_roof, "prefill_kernel_ratio": prefill / kernel_roof,
            "stream_gbs": stream_gbs, "cpu_moe_kernel_gbs": kernel_gbs, "dense_gemv_gbs": dense_gbs,
            "bytes_per_token_footprint": bytes_tok, "dense_bytes_runtime": dense_bytes_rt, "cpu_moe_streams": streams,
@@ -268,8 +274,9 @@ def main(argv=None):
           f"ratio {out['decode_kernel_ratio']:.2f} ({spread('decode_kernel_ratio')}) | medians of {len(rounds)} interleaved rounds")
     print(f"the decode run's CPU-MoE calls inside the engine ran at {out['moe_engine_vs_replay']:.2f} "
           f"({spread('moe_engine_vs_replay')}) of their speed replayed alone")
-    print(f"prefill {prefill:6.1f} tok/s | roofline {prefill_roof:6.1f} ({out['prefill_bound']}-bound, peak matmul {peak / 1e9:.0f} "
-          f"GFLOP/s) ratio {out['prefill_ratio']:.2f} | at the CPU-MoE kernel's {flops / 1e9:.0f} GFLOP/s: {kernel_roof:6.1f}, "
+    print(f"prefill {prefill:6.1f} tok/s | roofline {prefill_roof:6.1f} ({out['prefill_bound']}-bound: experts at the int8 "
+          f"products' peak {int8_ops / 1e9:.0f} GOP/s, dense at the peak matmul {peak / 1e9:.0f} GFLOP/s) "
+          f"ratio {out['prefill_ratio']:.2f} | at the CPU-MoE kernel's {flops / 1e9:.0f} GFLOP/s: {kernel_roof:6.1f}, "
           f"ratio {out['prefill_kernel_ratio']:.2f}")
     print("per-token phases (s): " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(out["phases_per_token_s"].items()))
           + f"; outside every phase {out['outside_phases_per_layer_us']:.0f} us per layer")

@@ -20,7 +20,7 @@ def test_decode_roofline_runs_to_the_end_on_tiny_and_one_core(tiny_dir):
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["threads"] == 1 and len(out["rounds"]) == 2
     for k in ("decode_tok_s", "decode_ratio", "decode_kernel_ratio", "moe_engine_vs_replay", "prefill_ratio", "stream_gbs",
-              "cpu_moe_kernel_gbs", "dense_gemv_gbs", "matmul_peak_gflops"):
+              "cpu_moe_kernel_gbs", "dense_gemv_gbs", "matmul_peak_gflops", "int8_peak_gops"):
         assert math.isfinite(out[k]) and out[k] > 0, (k, out[k])
     assert "of their speed replayed alone" in p.stdout
     ref = out["reference"]                     # from DRAM unless the 128 MiB budget keeps it under 4x the LLC, said
