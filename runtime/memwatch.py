@@ -26,8 +26,8 @@ def keep_freed_memory(transient_bytes: int) -> bool:
     - blocks under 32 MiB come from the heap (M_MMAP_THRESHOLD, fixed: glibc's default moves it up as
       big blocks are freed), so a layer's temporaries reuse the pages the last layer's freed; from
       their own mappings (the former setting, 256 KiB) every layer of a prefill page-faulted its
-      temporaries afresh: 420 k faults a 256-token prefill on mini, the first token 6.7-7.1 s against
-      4.9-5.0 s for a 512-token prompt on the Zen 4 VM (kernels/lab/README.md);
+      temporaries afresh: ~860 k faults a warm 512-token prefill on mini (chunk 256) against 18-90 k,
+      86-90 against 100-116 tok/s on the Zen 4 VM (kernels/lab/README.md);
     - free memory at the heap's top goes back to the OS past `transient_bytes` (M_TRIM_THRESHOLD,
       128 KiB by default once the threshold above is fixed), so between forwards the process holds at
       most the temporaries the plan already counts;
