@@ -579,12 +579,13 @@ def _prepare_row(x, xq, xc, xr, sbb):
 def _prepare(x, rows, sbb=SUPERBLOCK):
     """Inputs x[rows[a]] -> (xq int8 [A, K], xc int32 [A, K/8], xr f32 [A, K/8]) for this host's kernel
     (sbb: its superblock bytes; 0 gives the layout without superblocks, the scalar path's; BLOCK_ENTRIES
-    the lanes kernel's, in order with one xc / xr entry per 32-block, the first K/32). A row of x
+    the lanes kernel's, in order with one xc / xr entry per 32-block: xc, xr [A, K/32]). A row of x
     that `rows` names more than once (a token's top-k assignments) is quantized once, at its first
     assignment, and copied to the others: the same bytes. A verify-8 step on V4.1's geometry (48
     assignments of 8 tokens) spent 0.28 ms of a ~9.4 ms step quantizing each token 6 times; 0.08 now."""
     A, K = len(rows), x.shape[1]
-    xq, xc, xr = np.empty((A, K), np.int8), np.empty((A, K // 8), np.int32), np.empty((A, K // 8), np.float32)
+    ne = K // 32 if sbb == BLOCK_ENTRIES else K // 8                 # xc / xr entries an input
+    xq, xc, xr = np.empty((A, K), np.int8), np.empty((A, ne), np.int32), np.empty((A, ne), np.float32)
     first = np.full(x.shape[0], -1, np.int64)
     for a in range(A):
         if first[rows[a]] < 0:
@@ -657,7 +658,7 @@ def _ffn(x, ids, wts, w13_codes, w13_scales, w2_codes, w2_scales, streams, input
     if len(experts) == 0:
         return
     sbb = BLOCK_ENTRIES if GROUP else SUPERBLOCK                   # the lanes kernel: in order, an entry per block
-    xq, xc, xr = _prepare(x, tok, sbb)                             # [A, H] int8 (+ [A, H/8] x2): A = assignments (<= T K)
+    xq, xc, xr = _prepare(x, tok, sbb)                             # [A, H] int8 (+ [A, H/8 or H/32] x2): A = assignments (<= T K)
     h = np.empty((len(tok), 2 * inter), np.float32)                # [A, 2I]
     _passes(w13_codes, w13_scales, experts, off, xq, xc, xr, h, streams, inputs, l1_inputs)
     a = _swiglu(h, inter)                                          # [A, I]

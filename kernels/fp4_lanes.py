@@ -14,8 +14,8 @@ The same bytes as rows in order, moved: the bank's memory is the same.
 
 Inputs: `_prepare(x, rows, BLOCK_ENTRIES)` (kernels/cpu_moe.py): xq = the K/2 even q then the K/2 odd
 ones, in order, so dword v of block b (code bytes 16b + 4v ..) meets even q 16b + 4v .. and odd q
-half + 16b + 4v ..; xc[b] = -12 x block b's q sum (the +12 offset's share), xr[b] = its scale / 2.
-One entry a block, not the 4 a block of the superblock kernel's tails: summing 4 shares in the kernel
+half + 16b + 4v ..; xc[b] = -12 x block b's q sum (the +12 offset's share), xr[b] = its scale / 2
+(xc, xr [inputs, K/32]). One entry a block, not the 4 a block of the superblock kernel's tails: summing 4 shares in the kernel
 took ~4 of the ~19 vector ops each input and block cost at 4 inputs a call.
 
 Per block b and input: the offset share broadcast as the integer chain's start, 8 products (4 dwords x
@@ -90,7 +90,7 @@ def fp4_lanes_dot(typingctx, G_t, T_t, mode_t, codes, c_off, g_stride, scales, s
         st = _Step(builder, STEP[mode], mode)
         R = st.n                                                    # rows a vector: its 32-bit lanes
         prefetch = _fn(builder, "llvm.prefetch.p0i8", ir.VoidType(), [i8.as_pointer(), i32, i32, i32])
-        half, nb, k8 = builder.udiv(K_v, c64(2)), builder.udiv(K_v, c64(32)), builder.udiv(K_v, c64(8))
+        half, nb = builder.udiv(K_v, c64(2)), builder.udiv(K_v, c64(32))
         accs = [[cgutils.alloca_once_value(builder, ir.Constant(st.vf, [0.0] * R)) for _ in range(T)] for _ in range(G)]
 
         def splat(v, t):
@@ -115,7 +115,7 @@ def fp4_lanes_dot(typingctx, G_t, T_t, mode_t, codes, c_off, g_stride, scales, s
                 for j in range(T):
                     a = builder.add(a0_v, c64(j))
                     qe = builder.add(builder.mul(a, K_v), builder.mul(b, c64(16)))
-                    e = builder.add(builder.mul(a, k8), b)
+                    e = builder.add(builder.mul(a, nb), b)                # xc / xr [A, K/32]
                     init = splat(st.load(cxb, e, i32, 4), st.vi)
                     qs = [(broadcast(builder.add(qe, c64(4 * v))), broadcast(builder.add(builder.add(qe, half), c64(4 * v))))
                           for v in range(4)]
