@@ -643,28 +643,41 @@ def expert_ffn(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, bank: Fp4Bank, t
                          f"group {GROUP} (0: rows in order): build it with Fp4Bank.from_experts or random")
     set_threads(threads)
     y = np.zeros((T, H), np.float32) if out is None else out
-    _ffn(x, ids, wts, bank.w13_codes, bank.w13_scales, bank.w2_codes, bank.w2_scales, streams, inputs, l1_input_bytes(), y)
+    _ffn(x, ids, wts, bank.w13_codes, bank.w13_scales, bank.w2_codes, bank.w2_scales, streams, inputs, l1_input_bytes(), y,
+         *ffn_scratch(ids, bank.inter, H))
     return y
 
 
+def ffn_scratch(ids: np.ndarray, inter: int, hidden: int) -> tuple[np.ndarray, np.ndarray]:
+    """A call's two largest intermediates, gate/up [A, 2I] and down [A, H] float32 (A: the ids that are not
+    -1), allocated by numpy rather than inside the compiled call: numpy asks for transparent huge pages
+    on blocks of 4 MiB and more (madvise), so a prefill chunk's scratch past the heap's 32 MiB (mapped
+    afresh every call, runtime/memwatch.py) faults 2 MiB at a time, not 4 KiB. Mini, chunk 512 (57 and
+    63 MB here), a warm 1024-token request on the Zen 4 VM: 36-129 k page faults -> 14-37 k, prefill
+    tok/s within the noise (98-109 against 104-111, 2 rounds of processes interleaved)."""
+    A = int(np.count_nonzero(ids != -1))
+    return np.empty((A, 2 * inter), np.float32), np.empty((A, hidden), np.float32)
+
+
 @njit(nogil=True, cache=CACHE)
-def _ffn(x, ids, wts, w13_codes, w13_scales, w2_codes, w2_scales, streams, inputs, l1_inputs, y):
+def _ffn(x, ids, wts, w13_codes, w13_scales, w2_codes, w2_scales, streams, inputs, l1_inputs, y, h, d):
     """expert_ffn's steps in one compiled call (its parallel kernels launched from here, no Python
-    between them). In the mini decode on the Zen 2 VM the steps around the two weight passes took
-    ~0.28 ms a call (planning 47 us with the wrapper, quantizing 57 + 62, SwiGLU 86, combine 26),
-    mostly inside the kernels; one call against seven: 18.95 against 18.87 tok/s (6 alternating rounds)."""
+    between them), into h [A, 2I] and d [A, H] (`ffn_scratch`). In the mini decode on the Zen 2 VM the
+    steps around the two weight passes took ~0.28 ms a call (planning 47 us with the wrapper, quantizing
+    57 + 62, SwiGLU 86, combine 26), mostly inside the kernels; one call against seven: 18.95 against
+    18.87 tok/s (6 alternating rounds)."""
     inter = w13_codes.shape[1] // 2
     experts, off, tok, kk = _plan_slots(ids, w13_codes.shape[0])
+    if len(tok) != h.shape[0] or len(tok) != d.shape[0] or h.shape[1] != 2 * inter or d.shape[1] != x.shape[1]:
+        raise ValueError("expert_ffn: the scratch does not fit the call's assignments (ffn_scratch)")
     if len(experts) == 0:
         return
     sbb = BLOCK_ENTRIES if GROUP else SUPERBLOCK                   # the lanes kernel: in order, an entry per block
     xq, xc, xr = _prepare(x, tok, sbb)                             # [A, H] int8 (+ [A, H/8 or H/32] x2): A = assignments (<= T K)
-    h = np.empty((len(tok), 2 * inter), np.float32)                # [A, 2I]
-    _passes(w13_codes, w13_scales, experts, off, xq, xc, xr, h, streams, inputs, l1_inputs)
+    _passes(w13_codes, w13_scales, experts, off, xq, xc, xr, h, streams, inputs, l1_inputs)   # h [A, 2I]
     a = _swiglu(h, inter)                                          # [A, I]
     aq, ac, ar = _prepare(a, np.arange(len(tok)), sbb)
-    d = np.empty((len(tok), x.shape[1]), np.float32)               # [A, H]
-    _passes(w2_codes, w2_scales, experts, off, aq, ac, ar, d, streams, inputs, l1_inputs)
+    _passes(w2_codes, w2_scales, experts, off, aq, ac, ar, d, streams, inputs, l1_inputs)     # d [A, H]
     _combine(d, tok, kk, wts, y)
 
 

@@ -92,16 +92,16 @@ def main(argv=None):
         outs = {}
         for n, mod in copies.items():
             outs[n] = np.zeros((W, H), np.float32)
-            compile_copy(mod, x, plan[0], wts, *w, outs[n])
+            compile_copy(mod, x, plan[0], wts, *w, outs[n], *cm.ffn_scratch(plan[0], I, H))
         same = all(np.array_equal(o.view(np.uint32), outs[names[0]].view(np.uint32)) for o in outs.values())
         ts = {n: [] for n in copies}
         i = 0
         for r in range(args.rounds):
             for _ in range(args.steps):
                 for n in (names if r % 2 == 0 else names[::-1]):
-                    y = np.zeros((W, H), np.float32)
+                    y, scratch = np.zeros((W, H), np.float32), cm.ffn_scratch(plan[i % len(plan)], I, H)
                     t0 = time.perf_counter()
-                    copies[n]._ffn(x, plan[i % len(plan)], wts, *w, y)
+                    copies[n]._ffn(x, plan[i % len(plan)], wts, *w, y, *scratch)
                     ts[n].append(time.perf_counter() - t0)
                 i += 1
         what = "batch 1" if W == 1 else f"verify {W}"

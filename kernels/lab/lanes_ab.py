@@ -94,15 +94,15 @@ def main(argv=None):
         plan = plans(W, E, rng)
         nbytes = np.mean([len(np.unique(p)) for p in plan]) * bank.expert_bytes
         for mod in mods.values():                                  # compile, each lanes copy under its settings
-            compile_under(mod, lambda: mod._ffn(x, plan[0], wts, *w, np.zeros((W, H), np.float32)))
+            compile_under(mod, lambda: mod._ffn(x, plan[0], wts, *w, np.zeros((W, H), np.float32), *cm.ffn_scratch(plan[0], I, H)))
         ts = {n: [] for n in mods}
         i = 0
         for r in range(args.rounds):
             for _ in range(args.steps):
                 for n in (names if r % 2 == 0 else names[::-1]):
-                    y = np.zeros((W, H), np.float32)
+                    y, scratch = np.zeros((W, H), np.float32), cm.ffn_scratch(plan[i % len(plan)], I, H)
                     t0 = time.perf_counter()
-                    mods[n]._ffn(x, plan[i % len(plan)], wts, *w, y)
+                    mods[n]._ffn(x, plan[i % len(plan)], wts, *w, y, *scratch)
                     ts[n].append(time.perf_counter() - t0)
                 i += 1
         print(f"{'batch 1' if W == 1 else f'verify {W}'}: rows {nbytes / np.median(ts['rows']) / 1e9:5.1f} GB/s", flush=True)

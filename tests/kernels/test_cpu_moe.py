@@ -134,6 +134,15 @@ def test_bad_inputs_named():
         Fp4Bank(bank.w13_codes, bank.w13_scales, bank.w2_codes[:, :-1], bank.w2_scales)
     with pytest.raises(ValueError, match=r"inputs must be one of \(4, 8\), got 5"):
         expert_ffn(x, ids, w, bank, inputs=5)
+    h, d = cpu_moe.ffn_scratch(ids, bank.inter, bank.hidden)               # the compiled call's scratch checked
+    assert h.shape == (ids.size, 2 * bank.inter) and d.shape == (ids.size, bank.hidden)
+    y = np.zeros_like(x)
+    for bad in ((h[1:], d), (h, d[1:]), (np.empty((len(h), 2 * bank.inter - 1), np.float32), d)):
+        with pytest.raises(ValueError, match="scratch does not fit"):
+            cpu_moe._ffn(x, ids, w, bank.w13_codes, bank.w13_scales, bank.w2_codes, bank.w2_scales, 1, 4,
+                         cpu_moe.l1_input_bytes(), y, *bad)
+    ids[0, 0] = -1                                                          # no assignment: no scratch row
+    assert cpu_moe.ffn_scratch(ids, bank.inter, bank.hidden)[0].shape[0] == ids.size - 1
 
 
 ISA_SCRIPT = """
