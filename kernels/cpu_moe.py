@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import numba
 from numba import njit, prange, types
 from numba.extending import overload
 
@@ -327,14 +328,45 @@ def _chunk(cf, sf, qf, cxf, rf, e, N, K, r0, r1, j0, j1, of, streams, inputs):
             _rows(1, 4, cf, (e * N + r) * c_row, 0, sf, (e * N + r) * s_row, 0, qf, cxf, rf, j0, j1, K, of, r, N, 0)
 
 
+# A work item's cost in the threads' split (`_spans`): its rows' read, worth ITEM_READ inputs' products,
+# plus one per input. Zen 4 VM, V4.1 geometry, 2 threads, 256 tokens x top-6 of 32 experts (one prefill
+# chunk's call): 172 ms with uniform routing, 259 ms with the hot experts first (78% of the assignments
+# in experts 0-15) when every thread took an equal count of items, ~balanced with this split.
+ITEM_READ = 4
+
+
+@njit(nogil=True, cache=CACHE)
+def _spans(off, per, nt):
+    """The items (slot s, row chunk k: c = s per + k, slot-major) cut into nt contiguous spans of equal
+    cost (`ITEM_READ` + the slot's inputs, per item): thread t takes items b[t]..b[t+1]-1. With an
+    equal count per thread a call whose busy experts came first left one thread idle most of the call;
+    contiguous spans keep each thread's reads in order. Which thread computes an output changes no bit."""
+    S = len(off) - 1
+    b = np.zeros(nt + 1, np.int64)
+    if S == 0:
+        return b
+    cum = np.zeros(S + 1, np.int64)                      # cost of slots 0..s-1, each per items
+    for s in range(S):
+        cum[s + 1] = cum[s] + per * (ITEM_READ + off[s + 1] - off[s])
+    b[nt] = S * per
+    for t in range(1, nt):
+        target = cum[S] * t // nt
+        s = min(max(np.searchsorted(cum, target, side="right") - 1, 0), S - 1)
+        unit = ITEM_READ + off[s + 1] - off[s]
+        b[t] = max(b[t - 1], min(s * per + (target - cum[s] + unit - 1) // unit, S * per))
+    return b
+
+
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _matvecs(codes, scales, experts, off, xq, xc, xr, out, streams, inputs):
+def _matvecs(codes, scales, experts, off, xq, xc, xr, out, streams, inputs, nt):
     """out[a, r] = W_{experts[s]}[r] . x(a) for assignments a of slot s (off[s] <= a < off[s+1]);
     inputs prepared by `_prepare` (xq [A, K], xc and xr [A, K/8]), out [A, N]. streams (ROW_STREAMS):
     4 reads rows r, r+q, r+2q, r+3q of a chunk together (4 DRAM streams per thread), 1 reads them in
     order (one stream); which is faster is a fact of the host (the profiler measures both). Each row's
     arithmetic is the same either way: the outputs are bit-identical. inputs (ROW_INPUTS): the most
-    inputs one row decode serves with rows in order; the same bits either way too."""
+    inputs one row decode serves with rows in order; the same bits either way too. nt: the threads the
+    items are split over (`_spans`: numba's count, passed in, as reading it here would keep the kernel
+    from numba's cache)."""
     S = len(experts)
     N = out.shape[1]
     K = xq.shape[1]
@@ -343,15 +375,17 @@ def _matvecs(codes, scales, experts, off, xq, xc, xr, out, streams, inputs):
     cf = codes.reshape(-1)
     sf = scales.reshape(-1)
     per = (N + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK
-    for c in prange(S * per):
-        s = c // per
-        r0 = (c % per) * ROWS_PER_CHUNK
-        r1 = min(r0 + ROWS_PER_CHUNK, N)
-        _chunk(cf, sf, qf, cxf, rf, experts[s], N, K, r0, r1, off[s], off[s + 1], of, streams, inputs)
+    b = _spans(off, per, nt)
+    for t in prange(len(b) - 1):
+        for c in range(b[t], b[t + 1]):
+            s = c // per
+            r0 = (c % per) * ROWS_PER_CHUNK
+            r1 = min(r0 + ROWS_PER_CHUNK, N)
+            _chunk(cf, sf, qf, cxf, rf, experts[s], N, K, r0, r1, off[s], off[s + 1], of, streams, inputs)
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _matvecs_wide(codes, scales, experts, off, xq, xc, xr, out, streams, inputs, l1_inputs):
+def _matvecs_wide(codes, scales, experts, off, xq, xc, xr, out, streams, inputs, l1_inputs, nt):
     """`_matvecs` for a call with a slot whose inputs (K bytes each) pass l1_inputs bytes
     (`l1_input_bytes`): there a block of inputs passes over the chunk's rows, then the next block over
     the same rows (from L2), so the block's inputs stay in L1 while the rows pass (8 inputs a decode
@@ -368,20 +402,22 @@ def _matvecs_wide(codes, scales, experts, off, xq, xc, xr, out, streams, inputs,
     cf = codes.reshape(-1)
     sf = scales.reshape(-1)
     per = (N + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK
-    for c in prange(S * per):
-        s = c // per
-        r0 = (c % per) * ROWS_PER_CHUNK
-        r1 = min(r0 + ROWS_PER_CHUNK, N)
-        e = experts[s]
-        B = off[s + 1] - off[s]
-        if B * K > l1_inputs:
-            B = inputs if streams == 1 and inputs * K <= l1_inputs else 4
-        for j0 in range(off[s], off[s + 1], B):
-            _chunk(cf, sf, qf, cxf, rf, e, N, K, r0, r1, j0, min(j0 + B, off[s + 1]), of, streams, inputs)
+    b = _spans(off, per, nt)
+    for t in prange(len(b) - 1):
+        for c in range(b[t], b[t + 1]):
+            s = c // per
+            r0 = (c % per) * ROWS_PER_CHUNK
+            r1 = min(r0 + ROWS_PER_CHUNK, N)
+            e = experts[s]
+            B = off[s + 1] - off[s]
+            if B * K > l1_inputs:
+                B = inputs if streams == 1 and inputs * K <= l1_inputs else 4
+            for j0 in range(off[s], off[s + 1], B):
+                _chunk(cf, sf, qf, cxf, rf, e, N, K, r0, r1, j0, min(j0 + B, off[s + 1]), of, streams, inputs)
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _matvecs_lanes(codes, scales, experts, off, xq, xc, xr, out, streams, inputs):
+def _matvecs_lanes(codes, scales, experts, off, xq, xc, xr, out, streams, inputs, nt):
     """`_matvecs` over a bank in the lanes layout (`GROUP` rows a group; inputs prepared without
     superblocks). A chunk's rows go a group at a time, or (streams 4) its 4 groups in one call: 4 DRAM
     streams per thread, each input's broadcast serving all 4. The slot's inputs go `inputs` a call, each
@@ -396,18 +432,20 @@ def _matvecs_lanes(codes, scales, experts, off, xq, xc, xr, out, streams, inputs
     cf = codes.reshape(-1)
     sf = scales.reshape(-1)
     per = (N + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK
-    for c in prange(S * per):
-        s = c // per
-        r0 = (c % per) * ROWS_PER_CHUNK
-        r1 = min(r0 + ROWS_PER_CHUNK, N)
-        e = experts[s]
-        for j0 in range(off[s], off[s + 1], inputs):
-            j1 = min(j0 + inputs, off[s + 1])
-            if streams == 4 and r1 - r0 == 4 * GROUP:
-                _lanes(4, cf, (e * N + r0) * (K // 2), sf, (e * N + r0) * (K // 32), qf, cxf, rf, j0, j1, K, of, r0, N)
-            else:
-                for r in range(r0, r1, GROUP):
-                    _lanes(1, cf, (e * N + r) * (K // 2), sf, (e * N + r) * (K // 32), qf, cxf, rf, j0, j1, K, of, r, N)
+    b = _spans(off, per, nt)
+    for t in prange(len(b) - 1):
+        for c in range(b[t], b[t + 1]):
+            s = c // per
+            r0 = (c % per) * ROWS_PER_CHUNK
+            r1 = min(r0 + ROWS_PER_CHUNK, N)
+            e = experts[s]
+            for j0 in range(off[s], off[s + 1], inputs):
+                j1 = min(j0 + inputs, off[s + 1])
+                if streams == 4 and r1 - r0 == 4 * GROUP:
+                    _lanes(4, cf, (e * N + r0) * (K // 2), sf, (e * N + r0) * (K // 32), qf, cxf, rf, j0, j1, K, of, r0, N)
+                else:
+                    for r in range(r0, r1, GROUP):
+                        _lanes(1, cf, (e * N + r) * (K // 2), sf, (e * N + r) * (K // 32), qf, cxf, rf, j0, j1, K, of, r, N)
 
 
 def _lanes(G, cf, c_off, sf, s_off, qf, cxf, rf, j0, j1, K, of, r, N):
@@ -444,15 +482,15 @@ def _ov_lanes(G, cf, c_off, sf, s_off, qf, cxf, rf, j0, j1, K, of, r, N):
 
 
 @njit(nogil=True, cache=CACHE)
-def _passes(codes, scales, experts, off, xq, xc, xr, out, streams, inputs, l1_inputs):
+def _passes(codes, scales, experts, off, xq, xc, xr, out, streams, inputs, l1_inputs, nt):
     """One weight pass: `_matvecs_lanes` on a lanes bank (GROUP), else `_matvecs`, or `_matvecs_wide`
     where a slot's inputs pass l1_inputs bytes."""
     if GROUP:
-        _matvecs_lanes(codes, scales, experts, off, xq, xc, xr, out, streams, inputs)
+        _matvecs_lanes(codes, scales, experts, off, xq, xc, xr, out, streams, inputs, nt)
     elif np.max(off[1:] - off[:-1]) * xq.shape[1] > l1_inputs:
-        _matvecs_wide(codes, scales, experts, off, xq, xc, xr, out, streams, inputs, l1_inputs)
+        _matvecs_wide(codes, scales, experts, off, xq, xc, xr, out, streams, inputs, l1_inputs, nt)
     else:
-        _matvecs(codes, scales, experts, off, xq, xc, xr, out, streams, inputs)
+        _matvecs(codes, scales, experts, off, xq, xc, xr, out, streams, inputs, nt)
 
 
 def _rows(R, B, cf, c_off, c_stride, sf, s_off, s_stride, qf, cxf, rf, j0, j1, K, of, r, N, or_stride):
@@ -643,8 +681,8 @@ def expert_ffn(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, bank: Fp4Bank, t
                          f"group {GROUP} (0: rows in order): build it with Fp4Bank.from_experts or random")
     set_threads(threads)
     y = np.zeros((T, H), np.float32) if out is None else out
-    _ffn(x, ids, wts, bank.w13_codes, bank.w13_scales, bank.w2_codes, bank.w2_scales, streams, inputs, l1_input_bytes(), y,
-         *ffn_scratch(ids, bank.inter, H))
+    _ffn(x, ids, wts, bank.w13_codes, bank.w13_scales, bank.w2_codes, bank.w2_scales, streams, inputs, l1_input_bytes(),
+         numba.get_num_threads(), y, *ffn_scratch(ids, bank.inter, H))
     return y
 
 
@@ -660,7 +698,7 @@ def ffn_scratch(ids: np.ndarray, inter: int, hidden: int) -> tuple[np.ndarray, n
 
 
 @njit(nogil=True, cache=CACHE)
-def _ffn(x, ids, wts, w13_codes, w13_scales, w2_codes, w2_scales, streams, inputs, l1_inputs, y, h, d):
+def _ffn(x, ids, wts, w13_codes, w13_scales, w2_codes, w2_scales, streams, inputs, l1_inputs, nt, y, h, d):
     """expert_ffn's steps in one compiled call (its parallel kernels launched from here, no Python
     between them), into h [A, 2I] and d [A, H] (`ffn_scratch`). In the mini decode on the Zen 2 VM the
     steps around the two weight passes took ~0.28 ms a call (planning 47 us with the wrapper, quantizing
@@ -674,10 +712,10 @@ def _ffn(x, ids, wts, w13_codes, w13_scales, w2_codes, w2_scales, streams, input
         return
     sbb = BLOCK_ENTRIES if GROUP else SUPERBLOCK                   # the lanes kernel: in order, an entry per block
     xq, xc, xr = _prepare(x, tok, sbb)                             # [A, H] int8 (+ [A, H/8 or H/32] x2): A = assignments (<= T K)
-    _passes(w13_codes, w13_scales, experts, off, xq, xc, xr, h, streams, inputs, l1_inputs)   # h [A, 2I]
+    _passes(w13_codes, w13_scales, experts, off, xq, xc, xr, h, streams, inputs, l1_inputs, nt)   # h [A, 2I]
     a = _swiglu(h, inter)                                          # [A, I]
     aq, ac, ar = _prepare(a, np.arange(len(tok)), sbb)
-    _passes(w2_codes, w2_scales, experts, off, aq, ac, ar, d, streams, inputs, l1_inputs)     # d [A, H]
+    _passes(w2_codes, w2_scales, experts, off, aq, ac, ar, d, streams, inputs, l1_inputs, nt)     # d [A, H]
     _combine(d, tok, kk, wts, y)
 
 

@@ -80,7 +80,7 @@ def main(argv=None):
     set_threads(args.threads)
     names = [f"{a}" + "'" * args.ahead[:i].count(a) for i, a in enumerate(args.ahead)]
     copies = {n: ffn_copy(a, f"{i}") for i, (n, a) in enumerate(zip(names, args.ahead))}
-    w = (bank.w13_codes, bank.w13_scales, bank.w2_codes, bank.w2_scales, 1, 8, cm.l1_input_bytes())
+    w = (bank.w13_codes, bank.w13_scales, bank.w2_codes, bank.w2_scales, 1, 8, cm.l1_input_bytes(), args.threads)
     print(f"path {fi.MODES[cm.MODE]}, {args.threads} threads, "
           f"bank {E} experts ({E * bank.expert_bytes / 1e9:.1f} GB{'; ' + note if note else ''}); copies (superblocks ahead): {', '.join(names)}", flush=True)
     for W in args.widths:

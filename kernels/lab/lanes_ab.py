@@ -84,7 +84,7 @@ def main(argv=None):
     set_threads(args.threads)
     mods = copies(args.l1_ahead, args.prefetch)
     names = list(mods)
-    w = (bank.w13_codes, bank.w13_scales, bank.w2_codes, bank.w2_scales, args.streams, args.inputs, cm.l1_input_bytes())
+    w = (bank.w13_codes, bank.w13_scales, bank.w2_codes, bank.w2_scales, args.streams, args.inputs, cm.l1_input_bytes(), args.threads)
     print(f"path {MODES[cm.MODE]}, {args.threads} threads, streams {args.streams}, up to {args.inputs} inputs a call, "
           f"bank {E} experts ({E * bank.expert_bytes / 1e9:.1f} GB{'; ' + note if note else ''})", flush=True)
     for W in args.widths:

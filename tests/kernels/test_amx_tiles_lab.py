@@ -21,7 +21,7 @@ def test_tiles_give_the_gemvs_bits_for_every_slot_width(widths):
     off = np.concatenate([[0], np.cumsum(widths)]).astype(np.int64)
     xq, xc, xr = cm._prepare(x, np.arange(A))
     want = np.empty((A, 512), np.float32)
-    cm._matvecs(bank.w13_codes, bank.w13_scales, experts, off, xq, xc, xr, want, 1, 4)
+    cm._matvecs(bank.w13_codes, bank.w13_scales, experts, off, xq, xc, xr, want, 1, 4, 2)
     for _ in range(3):                                                        # fresh scratch each call (alignment varies)
         got = np.full_like(want, np.nan)
         fa.tile_matvecs(bank.w13_codes, bank.w13_scales, experts, off, fa.tile_inputs(xq), xr, got, fa.tile_config(), 2)

@@ -140,7 +140,7 @@ def test_bad_inputs_named():
     for bad in ((h[1:], d), (h, d[1:]), (np.empty((len(h), 2 * bank.inter - 1), np.float32), d)):
         with pytest.raises(ValueError, match="scratch does not fit"):
             cpu_moe._ffn(x, ids, w, bank.w13_codes, bank.w13_scales, bank.w2_codes, bank.w2_scales, 1, 4,
-                         cpu_moe.l1_input_bytes(), y, *bad)
+                         cpu_moe.l1_input_bytes(), 1, y, *bad)
     ids[0, 0] = -1                                                          # no assignment: no scratch row
     assert cpu_moe.ffn_scratch(ids, bank.inter, bank.hidden)[0].shape[0] == ids.size - 1
 
@@ -359,3 +359,20 @@ def test_rows_a_call_and_the_order_they_take_change_no_bit(path, mode):
             f(codes, scales, xq, xc, xr, K, outs[R].reshape(-1))
         assert np.isfinite(outs[1]).all(), K
         assert all(np.array_equal(outs[1].view(np.uint32), o.view(np.uint32)) for o in outs.values()), K
+
+
+def test_the_threads_take_spans_of_equal_work_not_equal_counts():
+    """`_spans`: contiguous spans of (slot, row chunk) items covering every item once, each thread's cost
+    (ITEM_READ + the slot's inputs, per item) within one item of an equal share, whatever the slots'
+    widths; a call whose busy experts come first no longer leaves one thread the most of it."""
+    rng = np.random.default_rng()
+    for _ in range(200):
+        S, per, nt = int(rng.integers(1, 40)), int(rng.integers(1, 90)), int(rng.integers(1, 9))
+        widths = rng.integers(1, 60, S) if rng.random() < 0.5 else np.sort(rng.integers(1, 60, S))[::-1]
+        off = np.concatenate([[0], np.cumsum(widths)]).astype(np.int64)
+        b = cpu_moe._spans(off, per, nt)
+        assert b[0] == 0 and b[-1] == S * per and (np.diff(b) >= 0).all()
+        cost = np.repeat(cpu_moe.ITEM_READ + widths, per)                   # item c's cost
+        shares = np.add.reduceat(np.append(cost, 0), b[:-1]) * (np.diff(b) > 0)
+        assert (np.abs(shares - cost.sum() / nt) <= cost.max()).all(), (widths, b, shares)
+    assert (cpu_moe._spans(np.zeros(1, np.int64), 5, 3) == 0).all()       # no slot: nothing to split
