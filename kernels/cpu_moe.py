@@ -367,7 +367,6 @@ def _matvecs(codes, scales, experts, off, xq, xc, xr, out, streams, inputs, nt):
     inputs one row decode serves with rows in order; the same bits either way too. nt: the threads the
     items are split over (`_spans`: numba's count, passed in, as reading it here would keep the kernel
     from numba's cache)."""
-    S = len(experts)
     N = out.shape[1]
     K = xq.shape[1]
     qf, cxf, rf = xq.reshape(-1), xc.reshape(-1), xr.reshape(-1)
@@ -394,7 +393,6 @@ def _matvecs_wide(codes, scales, experts, off, xq, xc, xr, out, streams, inputs,
     inputs on the Zen 4 VM (32 KiB L1D) ran 1.2-1.3x faster this way, the same bits (kernels/lab/README.md).
     A function of its own: the block loop inside `_matvecs` slowed its batch-1 calls by 3-14% in L3
     (the code around the inlined dot kernels changed), and batch 1 never needs it."""
-    S = len(experts)
     N = out.shape[1]
     K = xq.shape[1]
     qf, cxf, rf = xq.reshape(-1), xc.reshape(-1), xr.reshape(-1)
@@ -424,7 +422,6 @@ def _matvecs_lanes(codes, scales, experts, off, xq, xc, xr, out, streams, inputs
     block over the chunk's groups before the next, so a block stays in L1 while the rows pass (from L2
     after the first block). Every output is its row's FMA chain with its input: the same bits whatever
     the streams, inputs, threads or slot width."""
-    S = len(experts)
     N = out.shape[1]
     K = xq.shape[1]
     qf, cxf, rf = xq.reshape(-1), xc.reshape(-1), xr.reshape(-1)
