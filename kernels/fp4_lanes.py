@@ -15,8 +15,9 @@ The same bytes as rows in order, moved: the bank's memory is the same.
 Inputs: `_prepare(x, rows, BLOCK_ENTRIES)` (kernels/cpu_moe.py): xq = the K/2 even q then the K/2 odd
 ones, in order, so dword v of block b (code bytes 16b + 4v ..) meets even q 16b + 4v .. and odd q
 half + 16b + 4v ..; xc[b] = -12 x block b's q sum (the +12 offset's share), xr[b] = its scale / 2
-(xc, xr [inputs, K/32]). One entry a block, not the 4 a block of the superblock kernel's tails: summing 4 shares in the kernel
-took ~4 of the ~19 vector ops each input and block cost at 4 inputs a call.
+(xc, xr [inputs, K/32]). One entry a block, not the 4 a block of the superblock kernel's tails:
+summing 4 shares in the kernel took ~4 of the ~19 vector ops each input and block cost at 4 inputs
+a call.
 
 Per block b and input: the offset share broadcast as the integer chain's start, 8 products (4 dwords x
 low / high nibbles: `vpdpbusd`, or `vpmaddubsw` + `vpmaddwd` without VNNI: the same integer), then per
