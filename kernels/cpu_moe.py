@@ -329,7 +329,8 @@ def _chunk(cf, sf, qf, cxf, rf, e, N, K, r0, r1, j0, j1, of, streams, inputs):
 
 
 # A work item's cost in the threads' split (`_spans`): its rows' read, worth ITEM_READ inputs' products,
-# plus one per input. Zen 4 VM, V4.1 geometry, 2 threads, 256 tokens x top-6 of 32 experts (one prefill
+# plus one per input (an estimate, not swept: on the Zen 4 VM a call of ~4-6 inputs a slot is where
+# reading and the products take about as long, the products' roof near the stream). Zen 4 VM, V4.1 geometry, 2 threads, 256 tokens x top-6 of 32 experts (one prefill
 # chunk's call): 172 ms with uniform routing, 259 ms with the hot experts first (78% of the assignments
 # in experts 0-15) when every thread took an equal count of items, ~balanced with this split.
 ITEM_READ = 4
