@@ -330,9 +330,10 @@ def _chunk(cf, sf, qf, cxf, rf, e, N, K, r0, r1, j0, j1, of, streams, inputs):
 
 # A work item's cost in the threads' split (`_spans`): its rows' read, worth ITEM_READ inputs' products,
 # plus one per input (an estimate, not swept: on the Zen 4 VM a call of ~4-6 inputs a slot is where
-# reading and the products take about as long, the products' roof near the stream). Zen 4 VM, V4.1 geometry, 2 threads, 256 tokens x top-6 of 32 experts (one prefill
-# chunk's call): 172 ms with uniform routing, 259 ms with the hot experts first (78% of the assignments
-# in experts 0-15) when every thread took an equal count of items, ~balanced with this split.
+# reading and the products take about as long). Zen 4 VM, V4.1 geometry, 2 threads, 256 tokens x top-6
+# of 32 experts (one prefill chunk's call): 172 ms with uniform routing, 259 ms with the hot experts
+# first (78% of the assignments in experts 0-15) when every thread took an equal count of items, 172
+# with this split.
 ITEM_READ = 4
 
 
@@ -358,6 +359,13 @@ def _spans(off, per, nt):
     return b
 
 
+@njit(nogil=True, cache=CACHE, inline="always")
+def _item(c, per, N):
+    """Item c of `_spans` -> (slot s, its rows r0..r1-1): chunk c % per of slot c // per."""
+    r0 = (c % per) * ROWS_PER_CHUNK
+    return c // per, r0, min(r0 + ROWS_PER_CHUNK, N)
+
+
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _matvecs(codes, scales, experts, off, xq, xc, xr, out, streams, inputs, nt):
     """out[a, r] = W_{experts[s]}[r] . x(a) for assignments a of slot s (off[s] <= a < off[s+1]);
@@ -378,9 +386,7 @@ def _matvecs(codes, scales, experts, off, xq, xc, xr, out, streams, inputs, nt):
     b = _spans(off, per, nt)
     for t in prange(len(b) - 1):
         for c in range(b[t], b[t + 1]):
-            s = c // per
-            r0 = (c % per) * ROWS_PER_CHUNK
-            r1 = min(r0 + ROWS_PER_CHUNK, N)
+            s, r0, r1 = _item(c, per, N)
             _chunk(cf, sf, qf, cxf, rf, experts[s], N, K, r0, r1, off[s], off[s + 1], of, streams, inputs)
 
 
@@ -404,9 +410,7 @@ def _matvecs_wide(codes, scales, experts, off, xq, xc, xr, out, streams, inputs,
     b = _spans(off, per, nt)
     for t in prange(len(b) - 1):
         for c in range(b[t], b[t + 1]):
-            s = c // per
-            r0 = (c % per) * ROWS_PER_CHUNK
-            r1 = min(r0 + ROWS_PER_CHUNK, N)
+            s, r0, r1 = _item(c, per, N)
             e = experts[s]
             B = off[s + 1] - off[s]
             if B * K > l1_inputs:
@@ -433,9 +437,7 @@ def _matvecs_lanes(codes, scales, experts, off, xq, xc, xr, out, streams, inputs
     b = _spans(off, per, nt)
     for t in prange(len(b) - 1):
         for c in range(b[t], b[t + 1]):
-            s = c // per
-            r0 = (c % per) * ROWS_PER_CHUNK
-            r1 = min(r0 + ROWS_PER_CHUNK, N)
+            s, r0, r1 = _item(c, per, N)
             e = experts[s]
             for j0 in range(off[s], off[s + 1], inputs):
                 j1 = min(j0 + inputs, off[s + 1])

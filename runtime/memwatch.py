@@ -39,8 +39,9 @@ def keep_freed_memory(transient_bytes: int) -> bool:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         trim = max(int(transient_bytes), 128 << 10)
-        return (bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(M_TRIM_THRESHOLD, trim))
-                and bool(libc.mallopt(M_ARENA_MAX, ARENA_MAX)))
+        took = [libc.mallopt(k, v) for k, v in ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, trim),
+                                               (M_ARENA_MAX, ARENA_MAX))]   # each tried: one refused leaves the others
+        return all(took)
     except (OSError, AttributeError):
         return False
 

@@ -1,9 +1,11 @@
 """The allocator keeps a forward's freed temporaries for the next layer (runtime/memwatch.py
 `keep_freed_memory`): a warm request page-faults a small part of the temporaries the plan counts, not
 every layer's afresh. With blocks over 256 KiB from their own mappings (the former setting) a
-1000-token request on tiny (chunk 512) faulted ~18x the plan's transient bytes; kept, ~0.2x."""
+1000-token request on tiny (chunk 512) faulted 7.1x the plan's transient bytes on the Zen 4 VM; kept,
+0.74x. Off glibc (no mallopt) there is nothing to keep: skipped, said."""
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +22,9 @@ if sys.argv[2] == "mapped":                      # the former setting: every blo
     mw.MMAP_THRESHOLD = 256 << 10
 ck = Checkpoint(sys.argv[1])
 plan = Plan(max_context=1100, prefill_chunk=512)
+if not mw.keep_freed_memory(budget.transient_bytes(plan, ck.footprint(), "cpu")):
+    print("no-mallopt")                           # not glibc: the setting cannot be made here
+    sys.exit(0)
 eng = Engine(ck, plan)
 prompt = [3 + i % 200 for i in range(1000)]
 eng.generate(prompt, 2)                          # warm: compiled, the heap grown
@@ -33,11 +38,20 @@ print((f1 - f0) * resource.getpagesize() / budget.transient_bytes(plan, eng.foot
 def faulted_over_transient(ck_dir, mode):
     p = subprocess.run([sys.executable, "-c", SCRIPT, str(ck_dir), mode], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    return float(p.stdout.strip().splitlines()[-1])
+    last = p.stdout.strip().splitlines()[-1]
+    if last == "no-mallopt":
+        pytest.skip("glibc's mallopt is not available in this process: the allocator keeps its own policy")
+    return float(last)
+
+
+def thp_always() -> bool:
+    p = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    return p.exists() and "[always]" in p.read_text()
 
 
 def test_a_warm_request_reuses_its_temporaries(tiny_dir):
     kept = faulted_over_transient(tiny_dir, "kept")
     mapped = faulted_over_transient(tiny_dir, "mapped")
     assert kept < 2.0, kept                     # less than twice one forward's temporaries, over 2 chunks x every layer
-    assert mapped > 4 * kept, (mapped, kept)    # the check can tell the settings apart on this host
+    if not thp_always():                        # with huge pages on every mapping a fault brings 2 MiB: fewer faults to tell
+        assert mapped > 4 * kept, (mapped, kept)    # the check can tell the settings apart on this host
