@@ -41,8 +41,15 @@ i8, i32, i64, f32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType(
 BLOCK_ENTRIES = -1          # `_prepare`'s sbb for this kernel's inputs: in order, one xc / xr entry per 32-block
 # A group's codes also prefetched into L1 this many bytes ahead (< 1: none; read when the kernel is emitted;
 # kernels/lab/lanes_ab.py --l1-ahead). Zen 4 VM, V4.1 geometry, 2 threads, lanes / rows kernel: batch 1
-# 0.97 -> 1.02, verify 8 1.70 -> 1.75 (VBMI path: 8 blocks of 16 rows); AVX2 (8 rows) 1.01 -> 1.02-1.05.
-L1_AHEAD = 2048
+# 0.97 -> 1.02, verify 8 1.70 -> 1.75 at 2048 (VBMI path: 8 blocks of 16 rows); AVX2 (8 rows) 1.01 -> 1.02-1.05.
+# One thread (where its own misses in flight are the limit), without the L2 prefetch at one input: 4096
+# read 0.83-0.87 of the stream probe's thread against 0.78-0.85 at 2048 (kernels/lab/README.md, "a tenth time").
+L1_AHEAD = 4096
+# The weight stream's prefetch into L2 (kernels/fp4_simd.py `prefetch_weights`, 16 KiB ahead) only in calls of
+# at least this many inputs (read when the kernel is emitted; kernels/lab/lanes_ab.py --l2-from). At one
+# input it cost a thread ~15-25% of its reach from DRAM (in C too: kernels/lab/lanes_reach.c); from two
+# inputs a call, where the products hold the loads back, it gains up to 1.5x (Zen 4 VM, one thread).
+L2_FROM = 2
 
 
 def group_rows(mode: int) -> int:
@@ -106,7 +113,8 @@ def fp4_lanes_dot(typingctx, G_t, T_t, mode_t, codes, c_off, g_stride, scales, s
             for g in range(G):
                 gc = builder.add(builder.add(c_off_v, builder.mul(c64(g), g_stride_v)), builder.mul(b, c64(16 * R)))
                 for k in range(0, 16 * R, 64):
-                    prefetch_weights(builder, prefetch, builder.gep(cb, [builder.add(gc, c64(k))]))
+                    if T >= L2_FROM:
+                        prefetch_weights(builder, prefetch, builder.gep(cb, [builder.add(gc, c64(k))]))
                     if L1_AHEAD > 0:
                         builder.call(prefetch, [builder.gep(cb, [builder.add(gc, c64(k + L1_AHEAD))]), ir.Constant(i32, 0),
                                                 ir.Constant(i32, 3), ir.Constant(i32, 1)])

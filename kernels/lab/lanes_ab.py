@@ -1,7 +1,7 @@
 """Lab: the package's expert FFN with lanes as rows against the superblock kernel, whole steps interleaved.
 
   python -m kernels.lab.lanes_ab [--widths 1 2 4 6 8] [--inputs 4] [--streams 1] [--rounds 4] [--steps 30]
-                                [--l1-ahead A ...] [--prefetch D ...]
+                                [--l1-ahead A ...] [--prefetch D ...] [--l2-from F ...]
 
 kernels/cpu_moe.py builds its banks in the lanes layout on the paths in LANES_MODES (kernels/fp4_lanes.py)
 and keeps rows in order elsewhere. Here both are the package's own code: kernels/cpu_moe.py executed
@@ -30,30 +30,32 @@ from kernels.probe_bank import ProbeTooLarge, bank_size
 from kernels.threads import set_threads
 
 
-def copies(l1_ahead, prefetch=None):
-    """{"rows": the superblock kernel on rows in order, "lanes" (or "lanes@A~D" per L1_AHEAD A and
-    WEIGHT_PREFETCH D): the lanes kernel}: uncached modules of kernels/cpu_moe.py, with the settings each
-    lanes copy compiles under (None: the package's)."""
+def copies(l1_ahead, prefetch=None, l2_from=None):
+    """{"rows": the superblock kernel on rows in order, "lanes" (or "lanes@A~D^F" per L1_AHEAD A,
+    WEIGHT_PREFETCH D and L2_FROM F): the lanes kernel}: uncached modules of kernels/cpu_moe.py, with the
+    settings each lanes copy compiles under (None: the package's)."""
     if "LANES_MODES = (" not in open(cm.__file__).read():
         raise RuntimeError("kernels/cpu_moe.py no longer defines LANES_MODES: the copies cannot be told apart")
     rows = ffn_copy(-1, "rows")
-    rows.LANES_MODES, rows.GROUP, rows.emit = (), 0, {}   # LANES_MODES, GROUP: read by the copy's kernels as they compile
+    rows.LANES_MODES, rows.GROUP, rows.emit = (), 0, []   # LANES_MODES, GROUP: read by the copy's kernels as they compile
     mods = {"rows": rows}
     for a in l1_ahead or [None]:
         for d in prefetch or [None]:
-            name = "lanes" + ("" if a is None else f"@{a}") + ("" if d is None else f"~{d}")
-            m = ffn_copy(-1, name)
-            m.LANES_MODES, m.GROUP = (cm.MODE,), fl.group_rows(cm.MODE)
-            m.emit = {k: v for k, v in ((fl, ("L1_AHEAD", a)), (simd, ("WEIGHT_PREFETCH", d))) if v[1] is not None}
-            mods[name] = m
+            for f in l2_from or [None]:
+                name = "lanes" + "".join("" if v is None else f"{c}{v}" for c, v in (("@", a), ("~", d), ("^", f)))
+                m = ffn_copy(-1, name)
+                m.LANES_MODES, m.GROUP = (cm.MODE,), fl.group_rows(cm.MODE)
+                m.emit = [(mod, k, v) for mod, k, v in ((fl, "L1_AHEAD", a), (simd, "WEIGHT_PREFETCH", d), (fl, "L2_FROM", f))
+                          if v is not None]
+                mods[name] = m
     return mods
 
 
 def compile_under(mod, call):
     """Run `call` (the copy's first, compiling call) with the module settings the copy is emitted under."""
-    saved = [(m, k, getattr(m, k)) for m, (k, _) in mod.emit.items()]
+    saved = [(m, k, getattr(m, k)) for m, k, _ in mod.emit]
     try:
-        for m, (k, v) in mod.emit.items():
+        for m, k, v in mod.emit:
             setattr(m, k, v)
         call()
     finally:
@@ -73,6 +75,8 @@ def main(argv=None):
                     help="a lanes copy per value of kernels/fp4_lanes.py L1_AHEAD (bytes; < 1 none); default the package's")
     ap.add_argument("--prefetch", type=int, nargs="+", default=None,
                     help="... and per kernels/fp4_simd.py WEIGHT_PREFETCH (bytes ahead into L2; < 0 none); default the package's")
+    ap.add_argument("--l2-from", type=int, nargs="+", default=None,
+                    help="... and per kernels/fp4_lanes.py L2_FROM (inputs a call from which the L2 prefetch is emitted)")
     args = ap.parse_args(argv)
     if not cm.MODE:
         raise SystemExit("the scalar path has no lanes kernel: nothing to compare")
@@ -82,7 +86,7 @@ def main(argv=None):
         raise SystemExit(str(e))
     bank = cm.Fp4Bank.random(E, H, I)
     set_threads(args.threads)
-    mods = copies(args.l1_ahead, args.prefetch)
+    mods = copies(args.l1_ahead, args.prefetch, args.l2_from)
     names = list(mods)
     w = (bank.w13_codes, bank.w13_scales, bank.w2_codes, bank.w2_scales, args.streams, args.inputs, cm.l1_input_bytes(), args.threads)
     print(f"path {MODES[cm.MODE]}, {args.threads} threads, streams {args.streams}, up to {args.inputs} inputs a call, "

@@ -137,3 +137,30 @@ def test_the_hosts_banks_are_laid_out_as_its_kernel_reads_them():
     assert np.array_equal(alone[0], y[5])
     with pytest.raises(ValueError, match="layout is group 0"):
         expert_ffn(x, ids, w, src)
+
+
+@pytest.mark.skipif(not cpu_moe.GROUP, reason=f"this host's path ({cpu_moe.ISA}) keeps its banks' rows in order")
+def test_the_weight_streams_l2_prefetch_is_emitted_from_l2_from_inputs_a_call_and_changes_no_bits(monkeypatch):
+    """fp4_lanes.L2_FROM: calls of fewer inputs emit no L2 prefetch of the codes (at one input it cost a
+    thread its reach from DRAM), calls of L2_FROM or more do (a prefetch whose locality is not T0's: the L1
+    one is); a call's outputs are the same bits whichever it emits."""
+    from kernels import fp4_lanes, fp4_simd
+    mode, R, K = cpu_moe.MODE, cpu_moe.GROUP, 2304
+    rng = np.random.default_rng()
+    lc, ls = to_lanes(random_bytes(rng, (2 * R, K // 2)), rng.integers(118, 130, (2 * R, K // 32), dtype=np.uint8), R)
+    x = rng.standard_normal((2, K)).astype(np.float32)
+    xq, xc, xr = (a.reshape(-1) for a in _prepare(x, np.arange(2), BLOCK_ENTRIES))
+    outs, l2 = {}, {}
+    monkeypatch.setattr(fp4_simd, "WEIGHT_PREFETCH", 16384)
+    for T in (1, 2):
+        for frm in (1, 2, 3):
+            monkeypatch.setattr(fp4_lanes, "L2_FROM", frm)              # read as the kernel is emitted
+            f, out = _gemv(mode, 1, T), np.zeros((T, 2 * R), np.float32)
+            f(lc, ls, xq, xc, xr, K, out)
+            asm = "".join(f.inspect_asm().values())
+            l2[(T, frm)] = sum(asm.count(p) for p in ("prefetcht1", "prefetcht2", "prefetchnta"))
+            outs[(T, frm)] = out
+    assert l2[(1, 1)] > 0 and l2[(1, 2)] == l2[(1, 3)] == 0
+    assert l2[(2, 1)] > 0 and l2[(2, 2)] > 0 and l2[(2, 3)] == 0
+    for T in (1, 2):
+        assert all(np.array_equal(outs[(T, 1)].view(np.uint32), outs[(T, f)].view(np.uint32)) for f in (2, 3))
