@@ -46,10 +46,12 @@ BLOCK_ENTRIES = -1          # `_prepare`'s sbb for this kernel's inputs: in orde
 # read 0.83-0.87 of the stream probe's thread against 0.78-0.85 at 2048 (kernels/lab/README.md, "a tenth time").
 L1_AHEAD = 4096
 # The weight stream's prefetch into L2 (kernels/fp4_simd.py `prefetch_weights`, 16 KiB ahead) only in calls of
-# at least this many inputs (read when the kernel is emitted; kernels/lab/lanes_ab.py --l2-from). At one
-# input it cost a thread ~15-25% of its reach from DRAM (in C too: kernels/lab/lanes_reach.c); from two
-# inputs a call, where the products hold the loads back, it gains up to 1.5x (Zen 4 VM, one thread).
-L2_FROM = 2
+# at least this many inputs, per path (read when the kernel is emitted; kernels/lab/lanes_ab.py --l2-from).
+# Zen 4 VM, one thread, lanes_ab per-round ratios: on the AVX-512 paths, whose products outrun DRAM, it cost
+# a call of one input 4-25% of its reach (in C too: kernels/lab/lanes_reach.c) and from two inputs, where the
+# products hold the loads back, gains up to 1.5x; on the AVX2 path (half the products a cycle) it gains at
+# one input too (1.25 vs 1.04-1.10 without).
+L2_FROM = {1: 1, 2: 2, 3: 2, 4: 2}
 
 
 def group_rows(mode: int) -> int:
@@ -113,7 +115,7 @@ def fp4_lanes_dot(typingctx, G_t, T_t, mode_t, codes, c_off, g_stride, scales, s
             for g in range(G):
                 gc = builder.add(builder.add(c_off_v, builder.mul(c64(g), g_stride_v)), builder.mul(b, c64(16 * R)))
                 for k in range(0, 16 * R, 64):
-                    if T >= L2_FROM:
+                    if T >= L2_FROM.get(mode, 1):
                         prefetch_weights(builder, prefetch, builder.gep(cb, [builder.add(gc, c64(k))]))
                     if L1_AHEAD > 0:
                         builder.call(prefetch, [builder.gep(cb, [builder.add(gc, c64(k + L1_AHEAD))]), ir.Constant(i32, 0),

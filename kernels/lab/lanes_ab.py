@@ -45,7 +45,8 @@ def copies(l1_ahead, prefetch=None, l2_from=None):
                 name = "lanes" + "".join("" if v is None else f"{c}{v}" for c, v in (("@", a), ("~", d), ("^", f)))
                 m = ffn_copy(-1, name)
                 m.LANES_MODES, m.GROUP = (cm.MODE,), fl.group_rows(cm.MODE)
-                m.emit = [(mod, k, v) for mod, k, v in ((fl, "L1_AHEAD", a), (simd, "WEIGHT_PREFETCH", d), (fl, "L2_FROM", f))
+                l2 = None if f is None else {**fl.L2_FROM, cm.MODE: f}          # this path's entry
+                m.emit = [(mod, k, v) for mod, k, v in ((fl, "L1_AHEAD", a), (simd, "WEIGHT_PREFETCH", d), (fl, "L2_FROM", l2))
                           if v is not None]
                 mods[name] = m
     return mods
@@ -76,7 +77,7 @@ def main(argv=None):
     ap.add_argument("--prefetch", type=int, nargs="+", default=None,
                     help="... and per kernels/fp4_simd.py WEIGHT_PREFETCH (bytes ahead into L2; < 0 none); default the package's")
     ap.add_argument("--l2-from", type=int, nargs="+", default=None,
-                    help="... and per kernels/fp4_lanes.py L2_FROM (inputs a call from which the L2 prefetch is emitted)")
+                    help="... and per kernels/fp4_lanes.py L2_FROM (inputs a call from which the L2 prefetch is emitted, this path's)")
     args = ap.parse_args(argv)
     if not cm.MODE:
         raise SystemExit("the scalar path has no lanes kernel: nothing to compare")

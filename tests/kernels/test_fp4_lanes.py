@@ -141,9 +141,9 @@ def test_the_hosts_banks_are_laid_out_as_its_kernel_reads_them():
 
 @pytest.mark.skipif(not cpu_moe.GROUP, reason=f"this host's path ({cpu_moe.ISA}) keeps its banks' rows in order")
 def test_the_weight_streams_l2_prefetch_is_emitted_from_l2_from_inputs_a_call_and_changes_no_bits(monkeypatch):
-    """fp4_lanes.L2_FROM: calls of fewer inputs emit no L2 prefetch of the codes (at one input it cost a
-    thread its reach from DRAM), calls of L2_FROM or more do (a prefetch whose locality is not T0's: the L1
-    one is); a call's outputs are the same bits whichever it emits."""
+    """fp4_lanes.L2_FROM (this path's entry): calls of fewer inputs emit no L2 prefetch of the codes, calls
+    of that many or more do (a prefetch whose locality is not T0's: the L1 one is); a call's outputs are
+    the same bits whichever it emits."""
     from kernels import fp4_lanes, fp4_simd
     mode, R, K = cpu_moe.MODE, cpu_moe.GROUP, 2304
     rng = np.random.default_rng()
@@ -154,7 +154,7 @@ def test_the_weight_streams_l2_prefetch_is_emitted_from_l2_from_inputs_a_call_an
     monkeypatch.setattr(fp4_simd, "WEIGHT_PREFETCH", 16384)
     for T in (1, 2):
         for frm in (1, 2, 3):
-            monkeypatch.setattr(fp4_lanes, "L2_FROM", frm)              # read as the kernel is emitted
+            monkeypatch.setattr(fp4_lanes, "L2_FROM", {**fp4_lanes.L2_FROM, mode: frm})   # read as the kernel is emitted
             f, out = _gemv(mode, 1, T), np.zeros((T, 2 * R), np.float32)
             f(lc, ls, xq, xc, xr, K, out)
             asm = "".join(f.inspect_asm().values())
