@@ -16,6 +16,7 @@ distinct expert bytes and the lanes copy's per-round speed ratio to the superblo
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import numpy as np
@@ -32,23 +33,21 @@ from kernels.threads import set_threads
 
 def copies(l1_ahead, prefetch=None, l2_from=None):
     """{"rows": the superblock kernel on rows in order, "lanes" (or "lanes@A~D^F" per L1_AHEAD A,
-    WEIGHT_PREFETCH D and L2_FROM F): the lanes kernel}: uncached modules of kernels/cpu_moe.py, with the
-    settings each lanes copy compiles under (None: the package's)."""
+    WEIGHT_PREFETCH D and L2_FROM F): the lanes kernel}: uncached modules of
+    kernels/cpu_moe.py, with the settings each lanes copy compiles under (None: the package's)."""
     if "LANES_MODES = (" not in open(cm.__file__).read():
         raise RuntimeError("kernels/cpu_moe.py no longer defines LANES_MODES: the copies cannot be told apart")
     rows = ffn_copy(-1, "rows")
     rows.LANES_MODES, rows.GROUP, rows.emit = (), 0, []   # LANES_MODES, GROUP: read by the copy's kernels as they compile
     mods = {"rows": rows}
-    for a in l1_ahead or [None]:
-        for d in prefetch or [None]:
-            for f in l2_from or [None]:
-                name = "lanes" + "".join("" if v is None else f"{c}{v}" for c, v in (("@", a), ("~", d), ("^", f)))
-                m = ffn_copy(-1, name)
-                m.LANES_MODES, m.GROUP = (cm.MODE,), fl.group_rows(cm.MODE)
-                l2 = None if f is None else {**fl.L2_FROM, cm.MODE: f}          # this path's entry
-                m.emit = [(mod, k, v) for mod, k, v in ((fl, "L1_AHEAD", a), (simd, "WEIGHT_PREFETCH", d), (fl, "L2_FROM", l2))
-                          if v is not None]
-                mods[name] = m
+    for a, d, f in itertools.product(l1_ahead or [None], prefetch or [None], l2_from or [None]):
+        name = "lanes" + "".join("" if v is None else f"{c}{v}" for c, v in (("@", a), ("~", d), ("^", f)))
+        m = ffn_copy(-1, name)
+        m.LANES_MODES, m.GROUP = (cm.MODE,), fl.group_rows(cm.MODE)
+        settings = ((fl, "L1_AHEAD", a), (simd, "WEIGHT_PREFETCH", d),
+                    (fl, "L2_FROM", None if f is None else {**fl.L2_FROM, cm.MODE: f}))         # this path's entry
+        m.emit = [(mod, k, v) for mod, k, v in settings if v is not None]
+        mods[name] = m
     return mods
 
 

@@ -41,10 +41,12 @@ static __m512i lut;
 static volatile uint64_t sink;
 
 /* One block of one group: 4 code vectors (c), 16 scale bytes (s), one input (q: its 32 int8 of the block). */
-static inline __m512 block(const uint8_t *c, const uint8_t *s, const int32_t *q, int32_t xc, float xs, __m512 acc) {
+static inline __m512 block(const uint8_t *c, const uint8_t *s, const int32_t *q, int32_t xc, float xs, __m512 acc, int halves) {
   __m512i a = _mm512_set1_epi32(xc);
   for (int v = 0; v < 4; v++) {
-    __m512i cv = _mm512_loadu_si512(c + 64 * v);
+    __m512i cv = halves ? _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(c + 64 * v))),
+                                             _mm256_loadu_si256((const __m256i *)(c + 64 * v + 32)), 1)
+                        : _mm512_loadu_si512(c + 64 * v);
     a = _mm512_dpbusd_epi32(a, _mm512_permutexvar_epi8(cv, lut), _mm512_set1_epi32(q[v]));
     a = _mm512_dpbusd_epi32(a, _mm512_permutexvar_epi8(_mm512_srli_epi16(cv, 4), lut), _mm512_set1_epi32(q[4 + v]));
   }
@@ -52,7 +54,7 @@ static inline __m512 block(const uint8_t *c, const uint8_t *s, const int32_t *q,
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(ws, _mm512_set1_ps(xs)), acc);
 }
 
-enum { NONE, PKG, L1X, LOAD, T2 };
+enum { NONE, PKG, L1X, LOAD, T2, L1X32 };
 /* Groups g of 16 rows, codes [G][NB][256], scales [G][NB][16], against one input. */
 static inline void gemv(int mode, size_t G, const uint8_t *codes, const uint8_t *scales, const int8_t *q,
                         const int32_t *xc, const float *xs, float *out) {
@@ -64,10 +66,10 @@ static inline void gemv(int mode, size_t G, const uint8_t *codes, const uint8_t 
       const uint8_t *c = cg + 256 * b;
       if (mode == PKG) for (int k = 0; k < 256; k += 64) { _mm_prefetch((const char *)c + k + 2048, _MM_HINT_T0);
                                                           _mm_prefetch((const char *)c + k + 16384, _MM_HINT_T2); }
-      if (mode == L1X) for (int k = 0; k < 256; k += 64) _mm_prefetch((const char *)c + k + PF_L1, _MM_HINT_T0);
+      if (mode == L1X || mode == L1X32) for (int k = 0; k < 256; k += 64) _mm_prefetch((const char *)c + k + PF_L1, _MM_HINT_T0);
       if (mode == T2) for (int k = 0; k < 256; k += 64) _mm_prefetch((const char *)c + k + 16384, _MM_HINT_T2);
       if (mode == LOAD) fold = _mm512_xor_si512(fold, _mm512_loadu_si512(c + PF_LOAD));
-      acc = block(c, sg + 16 * b, (const int32_t *)(q + 32 * b), xc[b], xs[b], acc);
+      acc = block(c, sg + 16 * b, (const int32_t *)(q + 32 * b), xc[b], xs[b], acc, mode == L1X32);
     }
     _mm512_storeu_ps(out + 16 * g, acc);
   }
@@ -77,6 +79,7 @@ static void g_none(size_t G, const uint8_t *c, const uint8_t *s, const int8_t *q
 static void g_pkg(size_t G, const uint8_t *c, const uint8_t *s, const int8_t *q, const int32_t *xc, const float *xs, float *o) { gemv(PKG, G, c, s, q, xc, xs, o); }
 static void g_l1x(size_t G, const uint8_t *c, const uint8_t *s, const int8_t *q, const int32_t *xc, const float *xs, float *o) { gemv(L1X, G, c, s, q, xc, xs, o); }
 static void g_t2(size_t G, const uint8_t *c, const uint8_t *s, const int8_t *q, const int32_t *xc, const float *xs, float *o) { gemv(T2, G, c, s, q, xc, xs, o); }
+static void g_l1x32(size_t G, const uint8_t *c, const uint8_t *s, const int8_t *q, const int32_t *xc, const float *xs, float *o) { gemv(L1X32, G, c, s, q, xc, xs, o); }
 static void g_load(size_t G, const uint8_t *c, const uint8_t *s, const int8_t *q, const int32_t *xc, const float *xs, float *o) { gemv(LOAD, G, c, s, q, xc, xs, o); }
 
 /* Scales interleaved: per group and 4 blocks, 1024 code bytes then the 4 blocks' 64 scale bytes. */
@@ -88,12 +91,19 @@ static void g_inter(size_t G, const uint8_t *cs, const uint8_t *unused, const in
     for (int b4 = 0; b4 < NB; b4 += 4) {
       const uint8_t *c = cg + 272 * b4;
       for (int i = 0; i < 4; i++)
-        acc = block(c + 256 * i, c + 1024 + 16 * i, (const int32_t *)(q + 32 * (b4 + i)), xc[b4 + i], xs[b4 + i], acc);
+        acc = block(c + 256 * i, c + 1024 + 16 * i, (const int32_t *)(q + 32 * (b4 + i)), xc[b4 + i], xs[b4 + i], acc, 0);
     }
     _mm512_storeu_ps(out + 16 * g, acc);
   }
 }
 
+static double xor_read32(const uint8_t *a, size_t n) {
+  __m256i f0 = _mm256_setzero_si256(), f1 = f0;
+  for (size_t i = 0; i < n; i += 64) { f0 = _mm256_xor_si256(f0, _mm256_load_si256((const __m256i *)(a + i)));
+                                       f1 = _mm256_xor_si256(f1, _mm256_load_si256((const __m256i *)(a + i + 32))); }
+  f0 = _mm256_xor_si256(f0, f1);
+  return (double)(_mm256_extract_epi64(f0, 0) ^ _mm256_extract_epi64(f0, 3));
+}
 static double xor_read(const uint8_t *a, size_t n) {
   __m512i f0 = _mm512_setzero_si512(), f1 = f0;
   for (size_t i = 0; i < n; i += 128) { f0 = _mm512_xor_si512(f0, _mm512_load_si512(a + i)); f1 = _mm512_xor_si512(f1, _mm512_load_si512(a + i + 64)); }
@@ -120,8 +130,8 @@ static void *huge(size_t n) {
 }
 static int cmp(const void *a, const void *b) { double x = *(const double *)a, y = *(const double *)b; return (x > y) - (x < y); }
 
-#define NV 10
-static const char *names[NV] = {"read", "stream", "none", "pkg", "l1x", "load", "inter", "l2", "t2", "l3"};
+#define NV 12
+static const char *names[NV] = {"read", "stream", "none", "pkg", "l1x", "load", "inter", "l2", "t2", "l3", "l1x32", "stream32"};
 
 int main(int argc, char **argv) {
   size_t mib = argc > 1 ? strtoul(argv[1], 0, 10) : 1024;
@@ -167,6 +177,8 @@ int main(int argc, char **argv) {
         case 6: g_inter(Gt, inter, 0, q, xc, xs, out); break;
         case 7: for (size_t i = 0; i < reps2; i++) g_none(G2, codes, scales, q, xc, xs, out); break;
         case 8: g_t2(Gt, codes, scales, q, xc, xs, out); break;
+        case 10: g_l1x32(Gt, codes, scales, q, xc, xs, out); break;
+        case 11: sink += xor_read32(codes, Gt * NB * 256); break;
         case 9: for (size_t i = 0; i < reps2; i += 64) g_none(64, codes, scales, q, xc, xs, out); break;
       }
       }
@@ -174,7 +186,7 @@ int main(int argc, char **argv) {
     }
     if (r < 0) continue;
     for (int v = 0; v < NV; v++) {
-      gb[v][r] = (v == 1 ? cb : cb + sb) / t[v] / 1e9;
+      gb[v][r] = (v == 1 || v == 11 ? cb : cb + sb) / t[v] / 1e9;
       ratio[v][r] = gb[v][r] / ((double)cb / t[1] / 1e9);
     }
   }
