@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 SCRIPTS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -23,6 +25,9 @@ def test_decode_roofline_runs_to_the_end_on_tiny_and_one_core(tiny_dir):
               "cpu_moe_kernel_gbs", "dense_gemv_gbs", "matmul_peak_gflops", "int8_peak_gops"):
         assert math.isfinite(out[k]) and out[k] > 0, (k, out[k])
     assert "of their speed replayed alone" in p.stdout
+    for k in ("prefill_ratio", "prefill_kernel_ratio", "int8_peak_gops", "matmul_peak_gflops"):   # each round's own roofs
+        per = [rd[k] for rd in out["rounds"]]
+        assert all(math.isfinite(v) and v > 0 for v in per) and out[k] == float(np.median(per)), (k, per, out[k])
     ref = out["reference"]                     # from DRAM unless the 128 MiB budget keeps it under 4x the LLC, said
     assert "reference from DRAM: MoE steps over" in p.stdout and ref["moe_banks"] >= 1 and ref["dense_copies"] >= 1
     assert ref["dense_rotation_bytes"] == ref["dense_copies"] * out["dense_bytes_runtime"]
