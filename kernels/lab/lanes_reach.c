@@ -15,7 +15,8 @@
  *   l2       the kernel over one group's 40 KB of codes again and again (from L1 / L2: its compute rate)
  * GB/s = code + scale bytes / time; the median of ROUNDS rounds after a warm-up, and each variant's
  * ratio to `stream` in the same round.
- * Build: gcc -O3 -march=native -fopenmp lanes_reach.c -o lanes_reach   (AVX-512 VNNI + VBMI)
+ * Build: gcc -O3 -march=native -fopenmp [-DTIN=n] lanes_reach.c -o lanes_reach   (AVX-512 VNNI + VBMI; TIN inputs
+ *        share each decoded block, 1 by default; GB/s stays distinct code + scale bytes)
  * Usage: OMP_NUM_THREADS=n lanes_reach [MiB of codes] (each variant's groups split over the n threads); findings in kernels/lab/README.md ("a tenth time"). */
 #include <immintrin.h>
 #include <omp.h>
@@ -31,6 +32,9 @@
 #ifndef PF_L1
 #define PF_L1 4096
 #endif
+#ifndef TIN
+#define TIN 1
+#endif
 #ifndef PF_LOAD
 #define PF_LOAD 8192
 #endif
@@ -40,18 +44,25 @@ static const int8_t L16[16] = {12,13,14,15,16,18,20,24,12,11,10,9,8,6,4,0};
 static __m512i lut;
 static volatile uint64_t sink;
 
-/* One block of one group: 4 code vectors (c), 16 scale bytes (s), one input (q: its 32 int8 of the block). */
-static inline __m512 block(const uint8_t *c, const uint8_t *s, const int32_t *q, int32_t xc, float xs, __m512 acc, int halves) {
-  __m512i a = _mm512_set1_epi32(xc);
+/* One block of one group: 4 code vectors (c), 16 scale bytes (s), decoded once for TIN inputs (q: input j's 32
+ * int8 of the block at q + j K; xc, xs: its offset share and scale at j NB). */
+static inline void block(const uint8_t *c, const uint8_t *s, const int8_t *q, const int32_t *xc, const float *xs,
+                         __m512 *acc, int halves) {
+  __m512i w[8];
   for (int v = 0; v < 4; v++) {
     __m512i cv = halves ? _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(c + 64 * v))),
                                              _mm256_loadu_si256((const __m256i *)(c + 64 * v + 32)), 1)
                         : _mm512_loadu_si512(c + 64 * v);
-    a = _mm512_dpbusd_epi32(a, _mm512_permutexvar_epi8(cv, lut), _mm512_set1_epi32(q[v]));
-    a = _mm512_dpbusd_epi32(a, _mm512_permutexvar_epi8(_mm512_srli_epi16(cv, 4), lut), _mm512_set1_epi32(q[4 + v]));
+    w[v] = _mm512_permutexvar_epi8(cv, lut);
+    w[4 + v] = _mm512_permutexvar_epi8(_mm512_srli_epi16(cv, 4), lut);
   }
   __m512 ws = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)s)), 23));
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(ws, _mm512_set1_ps(xs)), acc);
+  for (int j = 0; j < TIN; j++) {
+    const int32_t *qj = (const int32_t *)(q + (size_t)j * K);
+    __m512i a = _mm512_set1_epi32(xc[j * NB]);
+    for (int v = 0; v < 8; v++) a = _mm512_dpbusd_epi32(a, w[v], _mm512_set1_epi32(qj[v]));
+    acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(ws, _mm512_set1_ps(xs[j * NB])), acc[j]);
+  }
 }
 
 enum { NONE, PKG, L1X, LOAD, T2, L1X32 };
@@ -60,7 +71,8 @@ static inline void gemv(int mode, size_t G, const uint8_t *codes, const uint8_t 
                         const int32_t *xc, const float *xs, float *out) {
   __m512i fold = _mm512_setzero_si512();
   for (size_t g = 0; g < G; g++) {
-    __m512 acc = _mm512_setzero_ps();
+    __m512 acc[TIN];
+    for (int j = 0; j < TIN; j++) acc[j] = _mm512_setzero_ps();
     const uint8_t *cg = codes + g * NB * 256, *sg = scales + g * NB * 16;
     for (int b = 0; b < NB; b++) {
       const uint8_t *c = cg + 256 * b;
@@ -69,9 +81,9 @@ static inline void gemv(int mode, size_t G, const uint8_t *codes, const uint8_t 
       if (mode == L1X || mode == L1X32) for (int k = 0; k < 256; k += 64) _mm_prefetch((const char *)c + k + PF_L1, _MM_HINT_T0);
       if (mode == T2) for (int k = 0; k < 256; k += 64) _mm_prefetch((const char *)c + k + 16384, _MM_HINT_T2);
       if (mode == LOAD) fold = _mm512_xor_si512(fold, _mm512_loadu_si512(c + PF_LOAD));
-      acc = block(c, sg + 16 * b, (const int32_t *)(q + 32 * b), xc[b], xs[b], acc, mode == L1X32);
+      block(c, sg + 16 * b, q + 32 * b, xc + b, xs + b, acc, mode == L1X32);
     }
-    _mm512_storeu_ps(out + 16 * g, acc);
+    for (int j = 0; j < TIN; j++) _mm512_storeu_ps(out + 16 * (G * j + g), acc[j]);
   }
   sink += _mm512_reduce_add_epi64(fold);
 }
@@ -86,14 +98,15 @@ static void g_load(size_t G, const uint8_t *c, const uint8_t *s, const int8_t *q
 static void g_inter(size_t G, const uint8_t *cs, const uint8_t *unused, const int8_t *q, const int32_t *xc, const float *xs, float *out) {
   (void)unused;
   for (size_t g = 0; g < G; g++) {
-    __m512 acc = _mm512_setzero_ps();
+    __m512 acc[TIN];
+    for (int j = 0; j < TIN; j++) acc[j] = _mm512_setzero_ps();
     const uint8_t *cg = cs + g * NB * 272;
     for (int b4 = 0; b4 < NB; b4 += 4) {
       const uint8_t *c = cg + 272 * b4;
       for (int i = 0; i < 4; i++)
-        acc = block(c + 256 * i, c + 1024 + 16 * i, (const int32_t *)(q + 32 * (b4 + i)), xc[b4 + i], xs[b4 + i], acc, 0);
+        block(c + 256 * i, c + 1024 + 16 * i, q + 32 * (b4 + i), xc + b4 + i, xs + b4 + i, acc, 0);
     }
-    _mm512_storeu_ps(out + 16 * g, acc);
+    for (int j = 0; j < TIN; j++) _mm512_storeu_ps(out + 16 * (G * j + g), acc[j]);
   }
 }
 
@@ -144,15 +157,15 @@ int main(int argc, char **argv) {
     memcpy(inter + g * NB * 272 + (b / 4) * 1088 + 256 * (b % 4), codes + (g * NB + b) * 256, 256);
     memcpy(inter + g * NB * 272 + (b / 4) * 1088 + 1024 + 16 * (b % 4), scales + (g * NB + b) * 16, 16);
   }
-  int8_t q[K]; int32_t xc[NB]; float xs[NB];
-  for (int i = 0; i < K; i++) q[i] = rand() % 255 - 127;
-  for (int b = 0; b < NB; b++) { int s = 0; for (int k = 0; k < 32; k++) s += q[32 * b + k]; xc[b] = -12 * s; xs[b] = 0.01f; }
+  static int8_t q[TIN * K]; static int32_t xc[TIN * NB]; static float xs[TIN * NB];
+  for (int i = 0; i < TIN * K; i++) q[i] = rand() % 255 - 127;
+  for (int b = 0; b < TIN * NB; b++) { int s = 0; for (int k = 0; k < 32; k++) s += q[32 * b + k]; xc[b] = -12 * s; xs[b] = 0.01f; }
   int8_t lt[64]; for (int i = 0; i < 64; i++) lt[i] = L16[i % 16];
   lut = _mm512_loadu_si512(lt);
-  float *out = aligned_alloc(64, 4 * 16 * G), *o2 = aligned_alloc(64, 4 * 16 * G), *out_all = out;
+  float *out = aligned_alloc(64, 4 * 16 * G * TIN), *o2 = aligned_alloc(64, 4 * 16 * G * TIN), *out_all = out;
   g_none(G, codes, scales, q, xc, xs, out);
   g_inter(G, inter, 0, q, xc, xs, o2);
-  for (size_t i = 0; i < 16 * G; i++) if (out[i] != o2[i]) { fprintf(stderr, "inter differs at %zu\n", i); return 1; }
+  for (size_t i = 0; i < 16 * G * TIN; i++) if (out[i] != o2[i]) { fprintf(stderr, "inter differs at %zu\n", i); return 1; }
   size_t G2 = 1;                           /* l2: one group (40 KB of codes) again and again */
   double gb[NV][ROUNDS], ratio[NV][ROUNDS];
   for (int r = -1; r < ROUNDS; r++) {
@@ -190,7 +203,8 @@ int main(int argc, char **argv) {
       ratio[v][r] = gb[v][r] / ((double)cb / t[1] / 1e9);
     }
   }
-  printf("%d thread(s), 1 input, 16 rows a vector, K %d, %zu MiB of codes, %d rounds (median, min-max):\n", omp_get_max_threads(), K, mib, ROUNDS);
+  printf("%d thread(s), %d input(s), 16 rows a vector, K %d, %zu MiB of codes, %d rounds (median, min-max):\n", omp_get_max_threads(), TIN, K,
+         mib, ROUNDS);
   for (int v = 0; v < NV; v++) {
     qsort(gb[v], ROUNDS, sizeof(double), cmp); qsort(ratio[v], ROUNDS, sizeof(double), cmp);
     printf("  %-7s %6.1f GB/s (%5.1f-%5.1f)   / stream %.3f (%.3f-%.3f)\n", names[v], gb[v][ROUNDS / 2], gb[v][0],
