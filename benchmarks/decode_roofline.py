@@ -32,7 +32,8 @@ FLOP left out (the roofline is then an upper bound). An earlier form held the ex
 the float matmul peak, a bound the run beat (1.13 on the Zen 4 VM). Also shown: the same bound at the
 CPU-MoE kernel's own FLOP/s at the prompt's width. Both peaks and that rate are measured in every round
 beside its prefill, the ratios are the rounds' own (medians printed): peaks taken once, after the rounds,
-once met a phase of this VM's sharing that halved them, and the prefill "beat" its roofline (1.11). The mini checkpoint is made (about 2 minutes) if absent.
+once met a phase of this VM's sharing that halved them, and the prefill "beat" its roofline (1.11).
+The mini checkpoint is made (about 2 minutes) if absent.
 """
 from __future__ import annotations
 
@@ -276,7 +277,8 @@ def main(argv=None):
            "cpu_moe_inputs": inputs,
            "reference": {"moe_banks": len(banks), "moe_rotation_bytes": moe_span, "dense_copies": copies,
                          "dense_rotation_bytes": copies * dense_bytes_rt, "llc_bytes": llc_bytes(), "note": ref_note},
-           "prefill_bound": max(("flop", "bytes"), key=[rd["prefill_bound"] for rd in rounds].count), "threads": T, "fused_decode": not args.unfused,
+           "prefill_bound": max(("flop", "bytes"), key=[rd["prefill_bound"] for rd in rounds].count),   # most rounds'
+           "threads": T, "fused_decode": not args.unfused,
            "phases_per_token_s": {k: v / (args.max_tokens - 1) for k, v in last.items() if not k.endswith("_us")},
            "outside_phases_per_layer_us": last["outside_phases_per_layer_us"],
            "rounds": [{k: v for k, v in rd.items() if k != "phases"} for rd in rounds]}

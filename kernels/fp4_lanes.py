@@ -43,12 +43,12 @@ BLOCK_ENTRIES = -1          # `_prepare`'s sbb for this kernel's inputs: in orde
 # kernels/lab/lanes_ab.py --l1-ahead). Zen 4 VM, V4.1 geometry, 2 threads, lanes / rows kernel: batch 1
 # 0.97 -> 1.02, verify 8 1.70 -> 1.75 at 2048 (VBMI path: 8 blocks of 16 rows); AVX2 (8 rows) 1.01 -> 1.02-1.05.
 # One thread (where its own misses in flight are the limit), without the L2 prefetch at one input: 4096
-# read 0.83-0.87 of the stream probe's thread against 0.78-0.85 at 2048 (kernels/lab/README.md, "a tenth time").
+# read 0.81-0.88 of the stream probe's thread against 0.78-0.85 at 2048 (kernels/lab/README.md, "a tenth time").
 L1_AHEAD = 4096
 # The weight stream's prefetch into L2 (kernels/fp4_simd.py `prefetch_weights`, 16 KiB ahead) only in calls of
 # at least this many inputs, per path (read when the kernel is emitted; kernels/lab/lanes_ab.py --l2-from).
 # Zen 4 VM, one thread, lanes_ab per-round ratios: on the AVX-512 paths, whose products outrun DRAM, it cost
-# a call of one input 4-25% of its reach (in C too: kernels/lab/lanes_reach.c) and from two inputs, where the
+# a call of one input 5-25% of its reach (in C too: kernels/lab/lanes_reach.c) and from two inputs, where the
 # products hold the loads back, gains up to 1.5x; on the AVX2 path (half the products a cycle) it gains at
 # one input too (1.25 vs 1.04-1.10 without).
 L2_FROM = {1: 1, 2: 2, 3: 2, 4: 2}
