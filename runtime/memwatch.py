@@ -18,6 +18,7 @@ STATUS = Path("/proc/self/status")
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8      # glibc mallopt parameters
 MMAP_THRESHOLD = 32 << 20   # the largest glibc's mallopt takes on 64-bit (half its 64 MiB heap size)
 ARENA_MAX = 2
+INT_MAX = (1 << 31) - 1     # mallopt takes a C int: ctypes would mask a larger value (4 GiB -> 0: trim always)
 
 
 def keep_freed_memory(transient_bytes: int) -> bool:
@@ -30,7 +31,7 @@ def keep_freed_memory(transient_bytes: int) -> bool:
       86-90 against 100-116 tok/s on the Zen 4 VM (kernels/lab/README.md);
     - free memory at the heap's top goes back to the OS past `transient_bytes` (M_TRIM_THRESHOLD,
       128 KiB by default once the threshold above is fixed), so between forwards the process holds at
-      most the temporaries the plan already counts;
+      most the temporaries the plan already counts (at most 2 GiB - 1: mallopt takes a C int);
     - at most 2 malloc arenas: each new thread (the I/O workers, the Engram prefetch) would otherwise
       get its own, ~0.4 MB resident each.
     -> whether it took (False off glibc)."""
@@ -38,7 +39,7 @@ def keep_freed_memory(transient_bytes: int) -> bool:
     import ctypes.util
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = max(int(transient_bytes), 128 << 10)
+        trim = min(max(int(transient_bytes), 128 << 10), INT_MAX)
         took = [libc.mallopt(k, v) for k, v in ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, trim),
                                                (M_ARENA_MAX, ARENA_MAX))]   # each tried: one refused leaves the others
         return all(took)

@@ -55,3 +55,26 @@ def test_a_warm_request_reuses_its_temporaries(tiny_dir):
     assert kept < 2.0, kept                     # less than twice one forward's temporaries, over 2 chunks x every layer
     if not thp_always():                        # with huge pages on every mapping a fault brings 2 MiB: fewer faults to tell
         assert mapped > 4 * kept, (mapped, kept)    # the check can tell the settings apart on this host
+
+
+def test_the_trim_threshold_fits_mallopt_s_int(monkeypatch):
+    """A plan's temporaries past 2 GiB (V4.1 at long chunks) are held as the largest C int mallopt takes:
+    ctypes masks a larger Python int (4 GiB would arrive as 0: trim on every free), silently."""
+    import ctypes
+    import runtime.memwatch as mw
+
+    class Libc:
+        def __init__(self):
+            self.calls = []
+
+        def mallopt(self, k, v):
+            self.calls.append((k, v))
+            return 1
+    libc = Libc()
+    monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: libc)
+    for want, got in ((4 << 30, mw.INT_MAX), (3 << 30, mw.INT_MAX), (64 << 20, 64 << 20), (1000, 128 << 10)):
+        libc.calls.clear()
+        assert mw.keep_freed_memory(want)
+        trim = dict(libc.calls)[mw.M_TRIM_THRESHOLD]
+        assert trim == got and ctypes.c_int(trim).value == trim, (want, trim)
+    assert dict(libc.calls)[mw.M_MMAP_THRESHOLD] == mw.MMAP_THRESHOLD and dict(libc.calls)[mw.M_ARENA_MAX] == mw.ARENA_MAX
