@@ -426,7 +426,7 @@ def _matvecs_lanes(codes, scales, experts, off, xq, xc, xr, out, streams, inputs
     streams per thread, each input's broadcast serving all 4. The slot's inputs go `inputs` a call, each
     block over the chunk's groups before the next, so a block stays in L1 while the rows pass (from L2
     after the first block). Every output is its row's FMA chain with its input: the same bits whatever
-    the streams, inputs, threads or slot width."""
+    the streams, inputs, threads or slot width. nt == 1: the thread works alone (`_lanes`' fetching)."""
     N = out.shape[1]
     K = xq.shape[1]
     qf, cxf, rf = xq.reshape(-1), xc.reshape(-1), xr.reshape(-1)
@@ -442,42 +442,45 @@ def _matvecs_lanes(codes, scales, experts, off, xq, xc, xr, out, streams, inputs
             for j0 in range(off[s], off[s + 1], inputs):
                 j1 = min(j0 + inputs, off[s + 1])
                 if streams == 4 and r1 - r0 == 4 * GROUP:
-                    _lanes(4, cf, (e * N + r0) * (K // 2), sf, (e * N + r0) * (K // 32), qf, cxf, rf, j0, j1, K, of, r0, N)
+                    _lanes(4, cf, (e * N + r0) * (K // 2), sf, (e * N + r0) * (K // 32), qf, cxf, rf, j0, j1, K, of, r0, N, nt == 1)
                 else:
                     for r in range(r0, r1, GROUP):
-                        _lanes(1, cf, (e * N + r) * (K // 2), sf, (e * N + r) * (K // 32), qf, cxf, rf, j0, j1, K, of, r, N)
+                        _lanes(1, cf, (e * N + r) * (K // 2), sf, (e * N + r) * (K // 32), qf, cxf, rf, j0, j1, K, of, r, N, nt == 1)
 
 
-def _lanes(G, cf, c_off, sf, s_off, qf, cxf, rf, j0, j1, K, of, r, N):
-    """G consecutive groups from row r (bank offsets c_off, s_off) against inputs j0..j1-1 (at most 8)."""
+def _lanes(G, cf, c_off, sf, s_off, qf, cxf, rf, j0, j1, K, of, r, N, alone):
+    """G consecutive groups from row r (bank offsets c_off, s_off) against inputs j0..j1-1 (at most 8);
+    alone: the call's thread works alone (kernels/fp4_lanes.py `L2_SKIP_ALONE`: it tells one input's calls apart)."""
     raise NotImplementedError("numba-only")
 
 
 @overload(_lanes, prefer_literal=True, inline="always")
-def _ov_lanes(G, cf, c_off, sf, s_off, qf, cxf, rf, j0, j1, K, of, r, N):
+def _ov_lanes(G, cf, c_off, sf, s_off, qf, cxf, rf, j0, j1, K, of, r, N, alone):
     if not isinstance(G, types.IntegerLiteral):
         return None
     g = G.literal_value
 
-    def lanes(G, cf, c_off, sf, s_off, qf, cxf, rf, j0, j1, K, of, r, N):
+    def lanes(G, cf, c_off, sf, s_off, qf, cxf, rf, j0, j1, K, of, r, N, alone):
         gc, gs, o = GROUP * (K // 2), GROUP * (K // 32), j0 * N + r
         n = j1 - j0
-        if n == 1:
-            fp4_lanes_dot(g, 1, MODE, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
+        if n == 1 and alone:
+            fp4_lanes_dot(g, 1, MODE, 1, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
+        elif n == 1:
+            fp4_lanes_dot(g, 1, MODE, 0, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
         elif n == 2:
-            fp4_lanes_dot(g, 2, MODE, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
+            fp4_lanes_dot(g, 2, MODE, 0, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
         elif n == 3:
-            fp4_lanes_dot(g, 3, MODE, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
+            fp4_lanes_dot(g, 3, MODE, 0, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
         elif n == 4:
-            fp4_lanes_dot(g, 4, MODE, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
+            fp4_lanes_dot(g, 4, MODE, 0, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
         elif n == 5:
-            fp4_lanes_dot(g, 5, MODE, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
+            fp4_lanes_dot(g, 5, MODE, 0, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
         elif n == 6:
-            fp4_lanes_dot(g, 6, MODE, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
+            fp4_lanes_dot(g, 6, MODE, 0, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
         elif n == 7:
-            fp4_lanes_dot(g, 7, MODE, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
+            fp4_lanes_dot(g, 7, MODE, 0, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
         else:
-            fp4_lanes_dot(g, 8, MODE, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
+            fp4_lanes_dot(g, 8, MODE, 0, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
     return lanes
 
 

@@ -45,13 +45,15 @@ BLOCK_ENTRIES = -1          # `_prepare`'s sbb for this kernel's inputs: in orde
 # One thread (where its own misses in flight are the limit), without the L2 prefetch at one input: 4096
 # read 0.81-0.88 of the stream probe's thread against 0.78-0.85 at 2048 (kernels/lab/README.md, "a tenth time").
 L1_AHEAD = 4096
-# The weight stream's prefetch into L2 (kernels/fp4_simd.py `prefetch_weights`, 16 KiB ahead) only in calls of
-# at least this many inputs, per path (read when the kernel is emitted; kernels/lab/lanes_ab.py --l2-from).
-# Zen 4 VM, one thread, lanes_ab per-round ratios: on the AVX-512 paths, whose products outrun DRAM, it cost
-# a call of one input 5-25% of its reach (in C too: kernels/lab/lanes_reach.c) and from two inputs, where the
-# products hold the loads back, gains up to 1.5x; on the AVX2 path (half the products a cycle) it gains at
-# one input too (1.25 vs 1.04-1.10 without).
-L2_FROM = {1: 1, 2: 2, 3: 2, 4: 2}
+# The weight stream's prefetch into L2 (kernels/fp4_simd.py `prefetch_weights`, 16 KiB ahead) is emitted in every
+# call but, on the paths marked here, a call of one input made by a thread working alone (read when the kernel is
+# emitted; kernels/lab/lanes_ab.py --l2-alone). Zen 4 VM, lanes_ab per-round ratios (kernels/lab/README.md, "a
+# tenth time" and "an eleventh time"): one thread on the AVX-512 paths, whose products outrun DRAM, lost 5-25% of
+# its reach to it at one input (in C too: kernels/lab/lanes_reach.c); two threads gain from it there (batch 1 0.92
+# against 0.88 of the 2-thread stream, 0.69-0.84 against 0.63-0.73 in the fast phase; verify 2 1.14 / 1.06 over
+# the superblock kernel), and from two inputs a call every thread count and path does (up to 1.5x). On the AVX2
+# path (half the products a cycle) one thread gains at one input too (1.25 against 1.04-1.10 without).
+L2_SKIP_ALONE = {1: False, 2: True, 3: True, 4: True}
 
 
 def group_rows(mode: int) -> int:
@@ -80,22 +82,24 @@ def to_rows(codes: np.ndarray, scales: np.ndarray, group: int):
 
 
 @intrinsic
-def fp4_lanes_dot(typingctx, G_t, T_t, mode_t, codes, c_off, g_stride, scales, s_off, gs_stride,
+def fp4_lanes_dot(typingctx, G_t, T_t, mode_t, alone_t, codes, c_off, g_stride, scales, s_off, gs_stride,
                   xq, xc, xr, a0, K, out, o_off, o_stride, og_stride):
     """G groups of R rows (group g's codes at c_off + g g_stride, its scales at s_off + g gs_stride) against
-    inputs a0 .. a0+T-1: out[o_off + j o_stride + g og_stride + l] = row l of group g . input a0 + j."""
-    G, T, mode = _literal(G_t), _literal(T_t), _literal(mode_t)
-    if G is None or T is None or mode is None:
+    inputs a0 .. a0+T-1: out[o_off + j o_stride + g og_stride + l] = row l of group g . input a0 + j.
+    alone (literal 0 / 1): the call is made by a thread working alone (`L2_SKIP_ALONE`; the same bits)."""
+    G, T, mode, alone = _literal(G_t), _literal(T_t), _literal(mode_t), _literal(alone_t)
+    if G is None or T is None or mode is None or alone is None:
         return None
     if mode not in STEP:
         raise TypeError(mode_error(mode))
-    sig = types.void(G_t, T_t, mode_t, codes, c_off, g_stride, scales, s_off, gs_stride, xq, xc, xr, a0, K,
+    sig = types.void(G_t, T_t, mode_t, alone_t, codes, c_off, g_stride, scales, s_off, gs_stride, xq, xc, xr, a0, K,
                      out, o_off, o_stride, og_stride)
 
     def codegen(context, builder, signature, args):
-        (_, _, _, _, c_off_v, g_stride_v, _, s_off_v, gs_stride_v, _, _, _, a0_v, K_v,
+        l2 = not (T == 1 and alone and L2_SKIP_ALONE.get(mode, False))      # read as the kernel is emitted
+        (_, _, _, _, _, c_off_v, g_stride_v, _, s_off_v, gs_stride_v, _, _, _, a0_v, K_v,
          _, o_off_v, o_stride_v, og_stride_v) = args
-        cb, sb, qb, cxb, rb, ob = _data_ptrs(context, builder, signature.args, args, (3, 6, 9, 10, 11, 14))
+        cb, sb, qb, cxb, rb, ob = _data_ptrs(context, builder, signature.args, args, (4, 7, 10, 11, 12, 15))
         c64 = lambda v: ir.Constant(i64, v)  # noqa: E731
         st = _Step(builder, STEP[mode], mode)
         R = st.n                                                    # rows a vector: its 32-bit lanes
@@ -115,7 +119,7 @@ def fp4_lanes_dot(typingctx, G_t, T_t, mode_t, codes, c_off, g_stride, scales, s
             for g in range(G):
                 gc = builder.add(builder.add(c_off_v, builder.mul(c64(g), g_stride_v)), builder.mul(b, c64(16 * R)))
                 for k in range(0, 16 * R, 64):
-                    if T >= L2_FROM.get(mode, 1):
+                    if l2:
                         prefetch_weights(builder, prefetch, builder.gep(cb, [builder.add(gc, c64(k))]))
                     if L1_AHEAD > 0:
                         builder.call(prefetch, [builder.gep(cb, [builder.add(gc, c64(k + L1_AHEAD))]), ir.Constant(i32, 0),

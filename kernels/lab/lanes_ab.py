@@ -1,7 +1,7 @@
 """Lab: the package's expert FFN with lanes as rows against the superblock kernel, whole steps interleaved.
 
   python -m kernels.lab.lanes_ab [--widths 1 2 4 6 8] [--inputs 4] [--streams 1] [--rounds 4] [--steps 30]
-                                [--l1-ahead A ...] [--prefetch D ...] [--l2-from F ...]
+                                [--l1-ahead A ...] [--prefetch D ...] [--l2-alone keep skip] [--stream]
 
 kernels/cpu_moe.py builds its banks in the lanes layout on the paths in LANES_MODES (kernels/fp4_lanes.py)
 and keeps rows in order elsewhere. Here both are the package's own code: kernels/cpu_moe.py executed
@@ -11,7 +11,9 @@ package picks, so a path can be measured before it is put in the table. One bank
 (random bytes time alike in either layout). V4.1 geometry, the bank and each step's experts as the
 profiler's probe has them (kernels/probe_bank.py: 4x the host's total LLC): batch 1 or a verify of W
 tokens (top-6 of a pool of 10). Steps interleaved, the order reversed every round; prints GB/s of
-distinct expert bytes and the lanes copy's per-round speed ratio to the superblock one.
+distinct expert bytes and the lanes copy's per-round speed ratio to the superblock one; with --stream
+also every copy's per-round ratio to the DRAM stream probe (kernels/stream.py, as the benchmarks take
+it) read at the same threads at the start of the round: the issue's bar, beside the A/B.
 """
 from __future__ import annotations
 
@@ -28,24 +30,26 @@ from kernels import fp4_lanes as fl
 from kernels import fp4_simd as simd
 from kernels.lab.code_prefetch import H, I, TOP_K, ffn_copy, plans
 from kernels.probe_bank import ProbeTooLarge, bank_size
+from kernels.stream import dram_stream_read, stream_buffer
 from kernels.threads import set_threads
 
 
-def copies(l1_ahead, prefetch=None, l2_from=None):
-    """{"rows": the superblock kernel on rows in order, "lanes" (or "lanes@A~D^F" per L1_AHEAD A,
-    WEIGHT_PREFETCH D and L2_FROM F): the lanes kernel}: uncached modules of
-    kernels/cpu_moe.py, with the settings each lanes copy compiles under (None: the package's)."""
+def copies(l1_ahead, prefetch=None, l2_alone=None):
+    """{"rows": the superblock kernel on rows in order, "lanes" (or "lanes@A~D^S" per L1_AHEAD A,
+    WEIGHT_PREFETCH D and S "keep" / "skip": this path's L2_SKIP_ALONE False / True): the lanes kernel}:
+    uncached modules of kernels/cpu_moe.py, with the settings each lanes copy compiles under (None: the
+    package's)."""
     if "LANES_MODES = (" not in open(cm.__file__).read():
         raise RuntimeError("kernels/cpu_moe.py no longer defines LANES_MODES: the copies cannot be told apart")
     rows = ffn_copy(-1, "rows")
     rows.LANES_MODES, rows.GROUP, rows.emit = (), 0, []   # LANES_MODES, GROUP: read by the copy's kernels as they compile
     mods = {"rows": rows}
-    for a, d, f in itertools.product(l1_ahead or [None], prefetch or [None], l2_from or [None]):
+    for a, d, f in itertools.product(l1_ahead or [None], prefetch or [None], l2_alone or [None]):
         name = "lanes" + "".join("" if v is None else f"{c}{v}" for c, v in (("@", a), ("~", d), ("^", f)))
         m = ffn_copy(-1, name)
         m.LANES_MODES, m.GROUP = (cm.MODE,), fl.group_rows(cm.MODE)
         settings = ((fl, "L1_AHEAD", a), (simd, "WEIGHT_PREFETCH", d),
-                    (fl, "L2_FROM", None if f is None else {**fl.L2_FROM, cm.MODE: f}))         # this path's entry
+                    (fl, "L2_SKIP_ALONE", None if f is None else {**fl.L2_SKIP_ALONE, cm.MODE: f == "skip"}))  # this path's entry
         m.emit = [(mod, k, v) for mod, k, v in settings if v is not None]
         mods[name] = m
     return mods
@@ -75,8 +79,9 @@ def main(argv=None):
                     help="a lanes copy per value of kernels/fp4_lanes.py L1_AHEAD (bytes; < 1 none); default the package's")
     ap.add_argument("--prefetch", type=int, nargs="+", default=None,
                     help="... and per kernels/fp4_simd.py WEIGHT_PREFETCH (bytes ahead into L2; < 0 none); default the package's")
-    ap.add_argument("--l2-from", type=int, nargs="+", default=None,
-                    help="... and per kernels/fp4_lanes.py L2_FROM (inputs a call from which the L2 prefetch is emitted, this path's)")
+    ap.add_argument("--l2-alone", nargs="+", default=None, choices=["keep", "skip"],
+                    help="... and per kernels/fp4_lanes.py L2_SKIP_ALONE (this path's: a thread alone skips the L2 prefetch at one input)")
+    ap.add_argument("--stream", action="store_true", help="also each copy's per-round ratio to the DRAM stream probe")
     args = ap.parse_args(argv)
     if not cm.MODE:
         raise SystemExit("the scalar path has no lanes kernel: nothing to compare")
@@ -86,8 +91,9 @@ def main(argv=None):
         raise SystemExit(str(e))
     bank = cm.Fp4Bank.random(E, H, I)
     set_threads(args.threads)
-    mods = copies(args.l1_ahead, args.prefetch, args.l2_from)
+    mods = copies(args.l1_ahead, args.prefetch, args.l2_alone)
     names = list(mods)
+    buf = stream_buffer() if args.stream else None
     w = (bank.w13_codes, bank.w13_scales, bank.w2_codes, bank.w2_scales, args.streams, args.inputs, cm.l1_input_bytes(), args.threads)
     print(f"path {MODES[cm.MODE]}, {args.threads} threads, streams {args.streams}, up to {args.inputs} inputs a call, "
           f"bank {E} experts ({E * bank.expert_bytes / 1e9:.1f} GB{'; ' + note if note else ''})", flush=True)
@@ -100,8 +106,11 @@ def main(argv=None):
         for mod in mods.values():                                  # compile, each lanes copy under its settings
             compile_under(mod, lambda: mod._ffn(x, plan[0], wts, *w, np.zeros((W, H), np.float32), *cm.ffn_scratch(plan[0], I, H)))
         ts = {n: [] for n in mods}
+        streams = []
         i = 0
         for r in range(args.rounds):
+            if buf is not None:
+                streams.append(dram_stream_read(args.threads, repeats=2, buf=buf[0], note=buf[1]).median)
             for _ in range(args.steps):
                 for n in (names if r % 2 == 0 else names[::-1]):
                     y, scratch = np.zeros((W, H), np.float32), cm.ffn_scratch(plan[i % len(plan)], I, H)
@@ -109,12 +118,18 @@ def main(argv=None):
                     mods[n]._ffn(x, plan[i % len(plan)], wts, *w, y, *scratch)
                     ts[n].append(time.perf_counter() - t0)
                 i += 1
+        def rounds(n):                                             # per round: the copy's median step time
+            return [np.median(ts[n][k * args.steps:(k + 1) * args.steps]) for k in range(args.rounds)]
         print(f"{'batch 1' if W == 1 else f'verify {W}'}: rows {nbytes / np.median(ts['rows']) / 1e9:5.1f} GB/s", flush=True)
         for n in names[1:]:
-            per = [np.median(ts["rows"][k * args.steps:(k + 1) * args.steps]) / np.median(ts[n][k * args.steps:(k + 1) * args.steps])
-                   for k in range(args.rounds)]
+            per = [a / b for a, b in zip(rounds("rows"), rounds(n))]
             print(f"  {n:9s} {nbytes / np.median(ts[n]) / 1e9:5.1f} GB/s; / rows per round " + " ".join(f"{v:.3f}" for v in per)
                   + f" (median {np.median(per):.3f})", flush=True)
+        if streams:
+            print(f"  stream {' '.join(f'{v:.1f}' for v in streams)} GB/s; each copy / stream per round:", flush=True)
+            for n in names:
+                per = [nbytes / t / 1e9 / s for t, s in zip(rounds(n), streams)]
+                print(f"    {n:9s} " + " ".join(f"{v:.2f}" for v in per) + f" (median {np.median(per):.2f})", flush=True)
 
 
 if __name__ == "__main__":

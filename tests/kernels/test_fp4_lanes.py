@@ -5,6 +5,8 @@ inputs, groups, threads or slot beside each output.
 Tolerance: each block's term is an exact integer times exact power-of-two and input scales (float32
 products of <= 2 rounding steps), summed in float32 over K/32 blocks: |y - ref| <= 8 (K/32) 2^-24 x
 sum |x^| max |w| (as tests/kernels/test_triton_gpu.py holds the device kernel)."""
+import itertools
+
 import numba
 import numpy as np
 import pytest
@@ -56,15 +58,16 @@ def test_the_lanes_inputs_are_the_in_order_inputs_with_one_entry_a_block():
     assert np.array_equal(r1, r0[:, ::4], equal_nan=True) and np.isnan(r1[1, 3]) and np.isnan(r1[3, 3])
 
 
-def _gemv(mode, G, T):
-    """Every row of a lanes bank [N, K/2] through fp4_lanes_dot, G groups x T inputs a call -> out [T, N]."""
+def _gemv(mode, G, T, alone=0):
+    """Every row of a lanes bank [N, K/2] through fp4_lanes_dot, G groups x T inputs a call -> out [T, N]
+    (alone: the calls' literal flag, a thread working alone)."""
     R = group_rows(mode)
 
     @numba.njit
     def f(codes, scales, xq, xc, xr, K, out):
         N = out.shape[1]
         for r in range(0, N, G * R):
-            fp4_lanes_dot(G, T, mode, codes.reshape(-1), r * (K // 2), R * (K // 2), scales.reshape(-1), r * (K // 32), R * (K // 32),
+            fp4_lanes_dot(G, T, mode, alone, codes.reshape(-1), r * (K // 2), R * (K // 2), scales.reshape(-1), r * (K // 32), R * (K // 32),
                           xq, xc, xr, 0, K, out.reshape(-1), r, N, R)
     return f
 
@@ -140,10 +143,11 @@ def test_the_hosts_banks_are_laid_out_as_its_kernel_reads_them():
 
 
 @pytest.mark.skipif(not cpu_moe.GROUP, reason=f"this host's path ({cpu_moe.ISA}) keeps its banks' rows in order")
-def test_the_weight_streams_l2_prefetch_is_emitted_from_l2_from_inputs_a_call_and_changes_no_bits(monkeypatch):
-    """fp4_lanes.L2_FROM (this path's entry): calls of fewer inputs emit no L2 prefetch of the codes, calls
-    of that many or more do (a prefetch whose locality is not T0's: the L1 one is); a call's outputs are
-    the same bits whichever it emits."""
+def test_the_weight_streams_l2_prefetch_is_skipped_only_by_a_thread_alone_at_one_input_and_changes_no_bits(monkeypatch):
+    """fp4_lanes.L2_SKIP_ALONE (this path's entry): where set, a call of one input made by a thread alone
+    emits no L2 prefetch of the codes; calls of two inputs, and calls made beside other threads, do (a
+    prefetch whose locality is not T0's: the L1 one is); where unset every call does. A call's outputs
+    are the same bits whichever it emits."""
     from kernels import fp4_lanes, fp4_simd
     mode, R, K = cpu_moe.MODE, cpu_moe.GROUP, 2304
     rng = np.random.default_rng()
@@ -152,15 +156,15 @@ def test_the_weight_streams_l2_prefetch_is_emitted_from_l2_from_inputs_a_call_an
     xq, xc, xr = (a.reshape(-1) for a in _prepare(x, np.arange(2), BLOCK_ENTRIES))
     outs, l2 = {}, {}
     monkeypatch.setattr(fp4_simd, "WEIGHT_PREFETCH", 16384)
+    for T, alone, skip in itertools.product((1, 2), (0, 1), (False, True)):
+        monkeypatch.setattr(fp4_lanes, "L2_SKIP_ALONE", {**fp4_lanes.L2_SKIP_ALONE, mode: skip})   # read as the kernel is emitted
+        f, out = _gemv(mode, 1, T, alone), np.zeros((T, 2 * R), np.float32)
+        f(lc, ls, xq, xc, xr, K, out)
+        asm = "".join(f.inspect_asm().values())
+        l2[(T, alone, skip)] = sum(asm.count(p) for p in ("prefetcht1", "prefetcht2", "prefetchnta"))
+        outs[(T, alone, skip)] = out
+    assert l2[(1, 1, True)] == 0
+    assert all(n > 0 for k, n in l2.items() if k != (1, 1, True))
     for T in (1, 2):
-        for frm in (1, 2, 3):
-            monkeypatch.setattr(fp4_lanes, "L2_FROM", {**fp4_lanes.L2_FROM, mode: frm})   # read as the kernel is emitted
-            f, out = _gemv(mode, 1, T), np.zeros((T, 2 * R), np.float32)
-            f(lc, ls, xq, xc, xr, K, out)
-            asm = "".join(f.inspect_asm().values())
-            l2[(T, frm)] = sum(asm.count(p) for p in ("prefetcht1", "prefetcht2", "prefetchnta"))
-            outs[(T, frm)] = out
-    assert l2[(1, 1)] > 0 and l2[(1, 2)] == l2[(1, 3)] == 0
-    assert l2[(2, 1)] > 0 and l2[(2, 2)] > 0 and l2[(2, 3)] == 0
-    for T in (1, 2):
-        assert all(np.array_equal(outs[(T, 1)].view(np.uint32), outs[(T, f)].view(np.uint32)) for f in (2, 3))
+        first = outs[(T, 0, False)].view(np.uint32)
+        assert all(np.array_equal(first, o.view(np.uint32)) for k, o in outs.items() if k[0] == T)
