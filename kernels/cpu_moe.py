@@ -450,7 +450,7 @@ def _matvecs_lanes(codes, scales, experts, off, xq, xc, xr, out, streams, inputs
 
 def _lanes(G, cf, c_off, sf, s_off, qf, cxf, rf, j0, j1, K, of, r, N, alone):
     """G consecutive groups from row r (bank offsets c_off, s_off) against inputs j0..j1-1 (at most 8);
-    alone: the call's thread works alone (kernels/fp4_lanes.py `L2_SKIP_ALONE`: it tells one input's calls apart)."""
+    alone: the call's thread works alone (kernels/fp4_lanes.py `L2_ONE_INPUT`: it tells one input's calls apart)."""
     raise NotImplementedError("numba-only")
 
 

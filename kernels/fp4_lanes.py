@@ -46,14 +46,15 @@ BLOCK_ENTRIES = -1          # `_prepare`'s sbb for this kernel's inputs: in orde
 # read 0.81-0.88 of the stream probe's thread against 0.78-0.85 at 2048 (kernels/lab/README.md, "a tenth time").
 L1_AHEAD = 4096
 # The weight stream's prefetch into L2 (kernels/fp4_simd.py `prefetch_weights`, 16 KiB ahead) is emitted in every
-# call but, on the paths marked here, a call of one input made by a thread working alone (read when the kernel is
-# emitted; kernels/lab/lanes_ab.py --l2-alone). Zen 4 VM, lanes_ab per-round ratios (kernels/lab/README.md, "a
+# call of two inputs or more, and in a call of one input per path: "always", "shared" (only beside other threads:
+# not by a thread working alone) or "never" (read when the kernel is emitted; kernels/lab/lanes_ab.py --l2-one). Zen 4 VM, lanes_ab per-round ratios (kernels/lab/README.md, "a
 # tenth time" and "an eleventh time"): one thread on the AVX-512 paths, whose products outrun DRAM, lost 5-25% of
 # its reach to it at one input (in C too: kernels/lab/lanes_reach.c); two threads gain from it there (batch 1 0.92
 # against 0.88 of the 2-thread stream, 0.69-0.84 against 0.63-0.73 in the fast phase; verify 2 1.14 / 1.06 over
 # the superblock kernel), and from two inputs a call every thread count and path does (up to 1.5x). On the AVX2
 # path (half the products a cycle) one thread gains at one input too (1.25 against 1.04-1.10 without).
-L2_SKIP_ALONE = {1: False, 2: True, 3: True, 4: True}
+L2_ONE_INPUT = {1: "always", 2: "shared", 3: "shared", 4: "shared"}
+L2_RULES = ("always", "shared", "never")
 
 
 def group_rows(mode: int) -> int:
@@ -86,7 +87,7 @@ def fp4_lanes_dot(typingctx, G_t, T_t, mode_t, alone_t, codes, c_off, g_stride, 
                   xq, xc, xr, a0, K, out, o_off, o_stride, og_stride):
     """G groups of R rows (group g's codes at c_off + g g_stride, its scales at s_off + g gs_stride) against
     inputs a0 .. a0+T-1: out[o_off + j o_stride + g og_stride + l] = row l of group g . input a0 + j.
-    alone (literal 0 / 1): the call is made by a thread working alone (`L2_SKIP_ALONE`; the same bits)."""
+    alone (literal 0 / 1): the call is made by a thread working alone (`L2_ONE_INPUT`; the same bits)."""
     G, T, mode, alone = _literal(G_t), _literal(T_t), _literal(mode_t), _literal(alone_t)
     if G is None or T is None or mode is None or alone is None:
         return None
@@ -96,7 +97,10 @@ def fp4_lanes_dot(typingctx, G_t, T_t, mode_t, alone_t, codes, c_off, g_stride, 
                      out, o_off, o_stride, og_stride)
 
     def codegen(context, builder, signature, args):
-        l2 = not (T == 1 and alone and L2_SKIP_ALONE.get(mode, False))      # read as the kernel is emitted
+        rule = L2_ONE_INPUT.get(mode, "always")                             # read as the kernel is emitted
+        if rule not in L2_RULES:
+            raise ValueError(f"fp4_lanes.L2_ONE_INPUT[{mode}] = {rule!r}: one of {L2_RULES}")
+        l2 = T > 1 or rule == "always" or (rule == "shared" and not alone)
         (_, _, _, _, _, c_off_v, g_stride_v, _, s_off_v, gs_stride_v, _, _, _, a0_v, K_v,
          _, o_off_v, o_stride_v, og_stride_v) = args
         cb, sb, qb, cxb, rb, ob = _data_ptrs(context, builder, signature.args, args, (4, 7, 10, 11, 12, 15))

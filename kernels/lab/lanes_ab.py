@@ -1,7 +1,7 @@
 """Lab: the package's expert FFN with lanes as rows against the superblock kernel, whole steps interleaved.
 
   python -m kernels.lab.lanes_ab [--widths 1 2 4 6 8] [--inputs 4] [--streams 1] [--rounds 4] [--steps 30]
-                                [--l1-ahead A ...] [--prefetch D ...] [--l2-alone keep skip] [--stream]
+                                [--l1-ahead A ...] [--prefetch D ...] [--l2-one always shared never] [--stream]
 
 kernels/cpu_moe.py builds its banks in the lanes layout on the paths in LANES_MODES (kernels/fp4_lanes.py)
 and keeps rows in order elsewhere. Here both are the package's own code: kernels/cpu_moe.py executed
@@ -34,22 +34,21 @@ from kernels.stream import dram_stream_read, stream_buffer
 from kernels.threads import set_threads
 
 
-def copies(l1_ahead, prefetch=None, l2_alone=None):
+def copies(l1_ahead, prefetch=None, l2_one=None):
     """{"rows": the superblock kernel on rows in order, "lanes" (or "lanes@A~D^S" per L1_AHEAD A,
-    WEIGHT_PREFETCH D and S "keep" / "skip": this path's L2_SKIP_ALONE False / True): the lanes kernel}:
-    uncached modules of kernels/cpu_moe.py, with the settings each lanes copy compiles under (None: the
-    package's)."""
+    WEIGHT_PREFETCH D and S, this path's L2_ONE_INPUT rule): the lanes kernel}: uncached modules of
+    kernels/cpu_moe.py, with the settings each lanes copy compiles under (None: the package's)."""
     if "LANES_MODES = (" not in open(cm.__file__).read():
         raise RuntimeError("kernels/cpu_moe.py no longer defines LANES_MODES: the copies cannot be told apart")
     rows = ffn_copy(-1, "rows")
     rows.LANES_MODES, rows.GROUP, rows.emit = (), 0, []   # LANES_MODES, GROUP: read by the copy's kernels as they compile
     mods = {"rows": rows}
-    for a, d, f in itertools.product(l1_ahead or [None], prefetch or [None], l2_alone or [None]):
+    for a, d, f in itertools.product(l1_ahead or [None], prefetch or [None], l2_one or [None]):
         name = "lanes" + "".join("" if v is None else f"{c}{v}" for c, v in (("@", a), ("~", d), ("^", f)))
         m = ffn_copy(-1, name)
         m.LANES_MODES, m.GROUP = (cm.MODE,), fl.group_rows(cm.MODE)
         settings = ((fl, "L1_AHEAD", a), (simd, "WEIGHT_PREFETCH", d),
-                    (fl, "L2_SKIP_ALONE", None if f is None else {**fl.L2_SKIP_ALONE, cm.MODE: f == "skip"}))  # this path's entry
+                    (fl, "L2_ONE_INPUT", None if f is None else {**fl.L2_ONE_INPUT, cm.MODE: f}))   # this path's entry
         m.emit = [(mod, k, v) for mod, k, v in settings if v is not None]
         mods[name] = m
     return mods
@@ -79,8 +78,8 @@ def main(argv=None):
                     help="a lanes copy per value of kernels/fp4_lanes.py L1_AHEAD (bytes; < 1 none); default the package's")
     ap.add_argument("--prefetch", type=int, nargs="+", default=None,
                     help="... and per kernels/fp4_simd.py WEIGHT_PREFETCH (bytes ahead into L2; < 0 none); default the package's")
-    ap.add_argument("--l2-alone", nargs="+", default=None, choices=["keep", "skip"],
-                    help="... and per kernels/fp4_lanes.py L2_SKIP_ALONE (this path's: a thread alone skips the L2 prefetch at one input)")
+    ap.add_argument("--l2-one", nargs="+", default=None, choices=fl.L2_RULES,
+                    help="... and per kernels/fp4_lanes.py L2_ONE_INPUT (this path's: when a call of one input prefetches into L2)")
     ap.add_argument("--stream", action="store_true", help="also each copy's per-round ratio to the DRAM stream probe")
     args = ap.parse_args(argv)
     if not cm.MODE:
@@ -91,7 +90,7 @@ def main(argv=None):
         raise SystemExit(str(e))
     bank = cm.Fp4Bank.random(E, H, I)
     set_threads(args.threads)
-    mods = copies(args.l1_ahead, args.prefetch, args.l2_alone)
+    mods = copies(args.l1_ahead, args.prefetch, args.l2_one)
     names = list(mods)
     buf = stream_buffer() if args.stream else None
     w = (bank.w13_codes, bank.w13_scales, bank.w2_codes, bank.w2_scales, args.streams, args.inputs, cm.l1_input_bytes(), args.threads)

@@ -13,11 +13,16 @@
  *   load     a demand load (XOR-folded) of one line PF_LOAD bytes ahead each block instead of prefetches
  *   inter    scales interleaved with the codes (4 blocks' codes, then their 64 scale bytes: one stream)
  *   l2       the kernel over one group's 40 KB of codes again and again (from L1 / L2: its compute rate)
+ *   t2       only the T2 prefetch 16 KiB ahead;  l3: 64 groups again and again (from L3)
+ *   l1x32    l1x with each 64-byte code vector as two 32-byte loads;  stream32: the stream in 32-byte loads
+ *   now      the package's fetching beside other threads: each line PF_L1 bytes ahead into L1 (T0) and 16 KiB
+ *            ahead as T2;  nowh: the same with the T2 prefetch every other line (one per 128 bytes)
  * GB/s = code + scale bytes / time; the median of ROUNDS rounds after a warm-up, and each variant's
  * ratio to `stream` in the same round.
  * Build: gcc -O3 -march=native -fopenmp [-DTIN=n] lanes_reach.c -o lanes_reach   (AVX-512 VNNI + VBMI; TIN inputs
  *        share each decoded block, 1 by default; GB/s stays distinct code + scale bytes)
- * Usage: OMP_NUM_THREADS=n lanes_reach [MiB of codes] (each variant's groups split over the n threads); findings in kernels/lab/README.md ("a tenth time"). */
+ * Usage: OMP_NUM_THREADS=n lanes_reach [MiB of codes] (each variant's groups split over the n threads);
+ *        findings in kernels/lab/README.md ("a tenth time", "an eleventh time"). */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
@@ -65,7 +70,7 @@ static inline void block(const uint8_t *c, const uint8_t *s, const int8_t *q, co
   }
 }
 
-enum { NONE, PKG, L1X, LOAD, T2, L1X32 };
+enum { NONE, PKG, L1X, LOAD, T2, L1X32, NOW, NOWH };
 /* Groups g of 16 rows, codes [G][NB][256], scales [G][NB][16], against one input. */
 static inline void gemv(int mode, size_t G, const uint8_t *codes, const uint8_t *scales, const int8_t *q,
                         const int32_t *xc, const float *xs, float *out) {
@@ -80,6 +85,9 @@ static inline void gemv(int mode, size_t G, const uint8_t *codes, const uint8_t 
                                                           _mm_prefetch((const char *)c + k + 16384, _MM_HINT_T2); }
       if (mode == L1X || mode == L1X32) for (int k = 0; k < 256; k += 64) _mm_prefetch((const char *)c + k + PF_L1, _MM_HINT_T0);
       if (mode == T2) for (int k = 0; k < 256; k += 64) _mm_prefetch((const char *)c + k + 16384, _MM_HINT_T2);
+      if (mode == NOW || mode == NOWH) for (int k = 0; k < 256; k += 64) _mm_prefetch((const char *)c + k + PF_L1, _MM_HINT_T0);
+      if (mode == NOW) for (int k = 0; k < 256; k += 64) _mm_prefetch((const char *)c + k + 16384, _MM_HINT_T2);
+      if (mode == NOWH) for (int k = 0; k < 256; k += 128) _mm_prefetch((const char *)c + k + 16384, _MM_HINT_T2);
       if (mode == LOAD) fold = _mm512_xor_si512(fold, _mm512_loadu_si512(c + PF_LOAD));
       block(c, sg + 16 * b, q + 32 * b, xc + b, xs + b, acc, mode == L1X32);
     }
@@ -92,6 +100,8 @@ static void g_pkg(size_t G, const uint8_t *c, const uint8_t *s, const int8_t *q,
 static void g_l1x(size_t G, const uint8_t *c, const uint8_t *s, const int8_t *q, const int32_t *xc, const float *xs, float *o) { gemv(L1X, G, c, s, q, xc, xs, o); }
 static void g_t2(size_t G, const uint8_t *c, const uint8_t *s, const int8_t *q, const int32_t *xc, const float *xs, float *o) { gemv(T2, G, c, s, q, xc, xs, o); }
 static void g_l1x32(size_t G, const uint8_t *c, const uint8_t *s, const int8_t *q, const int32_t *xc, const float *xs, float *o) { gemv(L1X32, G, c, s, q, xc, xs, o); }
+static void g_now(size_t G, const uint8_t *c, const uint8_t *s, const int8_t *q, const int32_t *xc, const float *xs, float *o) { gemv(NOW, G, c, s, q, xc, xs, o); }
+static void g_nowh(size_t G, const uint8_t *c, const uint8_t *s, const int8_t *q, const int32_t *xc, const float *xs, float *o) { gemv(NOWH, G, c, s, q, xc, xs, o); }
 static void g_load(size_t G, const uint8_t *c, const uint8_t *s, const int8_t *q, const int32_t *xc, const float *xs, float *o) { gemv(LOAD, G, c, s, q, xc, xs, o); }
 
 /* Scales interleaved: per group and 4 blocks, 1024 code bytes then the 4 blocks' 64 scale bytes. */
@@ -143,8 +153,8 @@ static void *huge(size_t n) {
 }
 static int cmp(const void *a, const void *b) { double x = *(const double *)a, y = *(const double *)b; return (x > y) - (x < y); }
 
-#define NV 12
-static const char *names[NV] = {"read", "stream", "none", "pkg", "l1x", "load", "inter", "l2", "t2", "l3", "l1x32", "stream32"};
+#define NV 14
+static const char *names[NV] = {"read", "stream", "none", "pkg", "l1x", "load", "inter", "l2", "t2", "l3", "l1x32", "stream32", "now", "nowh"};
 
 int main(int argc, char **argv) {
   size_t mib = argc > 1 ? strtoul(argv[1], 0, 10) : 1024;
@@ -192,6 +202,8 @@ int main(int argc, char **argv) {
         case 8: g_t2(Gt, codes, scales, q, xc, xs, out); break;
         case 10: g_l1x32(Gt, codes, scales, q, xc, xs, out); break;
         case 11: sink += xor_read32(codes, Gt * NB * 256); break;
+        case 12: g_now(Gt, codes, scales, q, xc, xs, out); break;
+        case 13: g_nowh(Gt, codes, scales, q, xc, xs, out); break;
         case 9: for (size_t i = 0; i < reps2; i += 64) g_none(64, codes, scales, q, xc, xs, out); break;
       }
       }

@@ -143,11 +143,11 @@ def test_the_hosts_banks_are_laid_out_as_its_kernel_reads_them():
 
 
 @pytest.mark.skipif(not cpu_moe.GROUP, reason=f"this host's path ({cpu_moe.ISA}) keeps its banks' rows in order")
-def test_the_weight_streams_l2_prefetch_is_skipped_only_by_a_thread_alone_at_one_input_and_changes_no_bits(monkeypatch):
-    """fp4_lanes.L2_SKIP_ALONE (this path's entry): where set, a call of one input made by a thread alone
-    emits no L2 prefetch of the codes; calls of two inputs, and calls made beside other threads, do (a
-    prefetch whose locality is not T0's: the L1 one is); where unset every call does. A call's outputs
-    are the same bits whichever it emits."""
+def test_the_weight_streams_l2_prefetch_at_one_input_follows_its_rule_and_changes_no_bits(monkeypatch):
+    """fp4_lanes.L2_ONE_INPUT (this path's entry): calls of two inputs always emit the L2 prefetch of the
+    codes (a prefetch whose locality is not T0's: the L1 one is); a call of one input does under "always",
+    under "shared" only beside other threads (not alone), under "never" not at all; any other rule is
+    refused by name. A call's outputs are the same bits whichever it emits."""
     from kernels import fp4_lanes, fp4_simd
     mode, R, K = cpu_moe.MODE, cpu_moe.GROUP, 2304
     rng = np.random.default_rng()
@@ -156,15 +156,19 @@ def test_the_weight_streams_l2_prefetch_is_skipped_only_by_a_thread_alone_at_one
     xq, xc, xr = (a.reshape(-1) for a in _prepare(x, np.arange(2), BLOCK_ENTRIES))
     outs, l2 = {}, {}
     monkeypatch.setattr(fp4_simd, "WEIGHT_PREFETCH", 16384)
-    for T, alone, skip in itertools.product((1, 2), (0, 1), (False, True)):
-        monkeypatch.setattr(fp4_lanes, "L2_SKIP_ALONE", {**fp4_lanes.L2_SKIP_ALONE, mode: skip})   # read as the kernel is emitted
+    for T, alone, rule in itertools.product((1, 2), (0, 1), fp4_lanes.L2_RULES):
+        monkeypatch.setattr(fp4_lanes, "L2_ONE_INPUT", {**fp4_lanes.L2_ONE_INPUT, mode: rule})   # read as the kernel is emitted
         f, out = _gemv(mode, 1, T, alone), np.zeros((T, 2 * R), np.float32)
         f(lc, ls, xq, xc, xr, K, out)
         asm = "".join(f.inspect_asm().values())
-        l2[(T, alone, skip)] = sum(asm.count(p) for p in ("prefetcht1", "prefetcht2", "prefetchnta"))
-        outs[(T, alone, skip)] = out
-    assert l2[(1, 1, True)] == 0
-    assert all(n > 0 for k, n in l2.items() if k != (1, 1, True))
+        l2[(T, alone, rule)] = sum(asm.count(p) for p in ("prefetcht1", "prefetcht2", "prefetchnta"))
+        outs[(T, alone, rule)] = out
+    skipped = {(1, 1, "shared"), (1, 0, "never"), (1, 1, "never")}
+    assert all(l2[k] == 0 for k in skipped)
+    assert all(n > 0 for k, n in l2.items() if k not in skipped)
     for T in (1, 2):
-        first = outs[(T, 0, False)].view(np.uint32)
+        first = outs[(T, 0, "always")].view(np.uint32)
         assert all(np.array_equal(first, o.view(np.uint32)) for k, o in outs.items() if k[0] == T)
+    monkeypatch.setattr(fp4_lanes, "L2_ONE_INPUT", {**fp4_lanes.L2_ONE_INPUT, mode: "sometimes"})
+    with pytest.raises(Exception, match="L2_ONE_INPUT.*sometimes"):
+        _gemv(mode, 1, 1, 1)(lc, ls, xq, xc, xr, K, np.zeros((1, 2 * R), np.float32))

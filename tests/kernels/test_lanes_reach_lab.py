@@ -20,5 +20,5 @@ def test_the_reach_lab_builds_checks_its_layouts_and_reports_every_variant(tmp_p
     out = subprocess.run([str(exe), "48"], capture_output=True, text=True, env={"OMP_NUM_THREADS": "1"}, timeout=120)
     assert out.returncode == 0, out.stderr
     rows = [line.split()[0] for line in out.stdout.splitlines()[1:]]
-    assert rows == ["read", "stream", "none", "pkg", "l1x", "load", "inter", "l2", "t2", "l3", "l1x32", "stream32"]
+    assert rows == ["read", "stream", "none", "pkg", "l1x", "load", "inter", "l2", "t2", "l3", "l1x32", "stream32", "now", "nowh"]
     assert "/ stream 1.000" in out.stdout
