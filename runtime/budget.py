@@ -18,6 +18,7 @@ READ_ARENA_THREADS = 2       # threads that read through one reader: the forward
 NVME_BATCH = 16       # NVMe-tier experts a call reads at once (runtime/experts.py): V4.1, 301 MB
 Q_BLOCK = 64          # attention queries per block (runtime/model/attention.py)
 FP8_TILE_ROWS = 256   # rows of an fp8 weight dequantized at once at prefill widths (kernels/fp8_dense.py TILE_ROWS)
+ROWS_PER_CHUNK = 64   # rows of a CPU-MoE work item (kernels/cpu_moe.py ROWS_PER_CHUNK)
 TILE_ELEMS = 1 << 24  # the indexer's relu tile [T, Hi, t]: t = TILE_ELEMS // (T Hi) keys at a time (64 MiB fp32)
 
 
@@ -102,9 +103,12 @@ def decode_scratch_bytes(plan: Plan, fp: Footprint, itemsize: int = 4) -> int:
 def moe_scratch_bytes(fp: Footprint, T: int) -> int:
     """kernels/cpu_moe.py expert_ffn for T tokens: A = T (K + 1 where the shared expert rides in the
     call) assignments packed (no padding), inputs [A, H], gate/up [A, 2I], SwiGLU [A, I], down [A, H]
-    in float32 + token and k ids (16 B)."""
+    in float32 + token and k ids (16 B), and a pass's work-item flags (int32, one per ROWS_PER_CHUNK
+    rows of each distinct expert's widest matrix)."""
     A = T * (fp.top_k + fp.shared_rides)
-    return A * ((2 * fp.hidden_size + 3 * fp.moe_intermediate_size) * 4 + 16)
+    H, I = fp.hidden_size, fp.moe_intermediate_size
+    items = min(A, fp.n_routed_experts + fp.shared_rides) * -(-max(2 * I, H) // ROWS_PER_CHUNK)
+    return A * ((2 * H + 3 * I) * 4 + 16) + 4 * items
 
 
 def nvme_fetch_bytes(plan: Plan, fp: Footprint, T: int) -> int:

@@ -15,6 +15,8 @@ import numba
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kernels import cpu_moe
 from kernels.cpu_moe import Fp4Bank, expert_ffn, expert_ffn_dense, expert_ffn_reference
@@ -151,6 +153,8 @@ import numpy as np
 from kernels.cpu_moe import ISA, Fp4Bank, expert_ffn, expert_ffn_reference, dequant_experts
 from kernels.formats import dequantize_mxfp4
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 assert ISA == {isa!r}, ISA
 rng = np.random.default_rng(0)
 errs = []
@@ -376,3 +380,36 @@ def test_the_threads_take_spans_of_equal_work_not_equal_counts():
         shares = np.add.reduceat(np.append(cost, 0), b[:-1]) * (np.diff(b) > 0)
         assert (np.abs(shares - cost.sum() / nt) <= cost.max()).all(), (widths, b, shares)
     assert (cpu_moe._spans(np.zeros(1, np.int64), 5, 3) == 0).all()       # no slot: nothing to split
+
+
+@numba.njit
+def _take(taken, c):
+    return cpu_moe._claim(taken, c)                                     # an intrinsic: callable from compiled code
+
+
+@settings(max_examples=300, deadline=None)
+@given(spans=st.lists(st.integers(0, 12), min_size=1, max_size=6), seed=st.integers(0, 2**32 - 1))
+def test_the_threads_finish_together_taking_every_item_once_in_any_interleaving(spans, seed):
+    """`_turn` + `_claim`: each thread its own span from the front, then the others' from their ends,
+    leaving a span at the first item it finds taken. Threads stepped in a random interleaving (one claim a
+    step, the scheduler's worst cases included: a thread that never runs until the rest are done, two
+    thieves at one span): every item is taken exactly once, none skipped; and the intrinsic claims an
+    item once and reports it taken after."""
+    nt = len(spans)
+    b = np.concatenate([[0], np.cumsum(spans)]).astype(np.int64)
+    taken, by = np.zeros(b[nt], np.int32), np.full(b[nt], -1)
+    state = [[0, 0] for _ in range(nt)]                                  # per thread: span k, index i
+    live, rng = list(range(nt)), np.random.default_rng(seed)
+    while live:
+        t = live[rng.integers(len(live))]
+        k, i = state[t]
+        c = cpu_moe._turn(t, k, i, b, nt)
+        if c >= 0 and _take(taken, c):
+            assert by[c] == -1
+            by[c], state[t][1] = t, i + 1
+        elif k + 1 < nt:
+            state[t] = [k + 1, 0]
+        else:
+            live.remove(t)
+    assert (by >= 0).all() and (taken == 1).all()
+    assert not any(_take(taken, c) for c in range(b[nt]))                # a taken item stays taken

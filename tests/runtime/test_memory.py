@@ -99,10 +99,11 @@ def test_inspect_the_cost_model_and_admission_count_the_same_bytes(full_skeleton
 
 
 def test_the_accountings_shape_constants_are_the_runtimes():
+    from kernels.cpu_moe import ROWS_PER_CHUNK
     from kernels.fp8_dense import TILE_ROWS
     from runtime import budget
     from runtime.io_reader import BLOCK
-    assert budget.FP8_TILE_ROWS == TILE_ROWS and budget.IO_BLOCK == BLOCK
+    assert budget.FP8_TILE_ROWS == TILE_ROWS and budget.IO_BLOCK == BLOCK and budget.ROWS_PER_CHUNK == ROWS_PER_CHUNK
 
 
 @pytest.mark.parametrize("path", ["nvme_mmap", "nvme_direct"])
