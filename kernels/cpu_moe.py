@@ -342,9 +342,9 @@ ITEM_READ = 4
 def _spans(off, per, nt):
     """The items (slot s, row chunk k: c = s per + k, slot-major) cut into nt contiguous spans of equal
     cost (`ITEM_READ` + the slot's inputs, per item): thread t takes items b[t]..b[t+1]-1, then helps
-    the others from their spans' ends (`_turn`). With an
-    equal count per thread a call whose busy experts came first left one thread idle most of the call;
-    contiguous spans keep each thread's reads in order. Which thread computes an output changes no bit."""
+    the others from their spans' ends (`_turn`). With an equal count per thread a call whose busy
+    experts came first left one thread idle most of the call; contiguous spans keep each thread's
+    reads in order. Which thread computes an output changes no bit."""
     S = len(off) - 1
     b = np.zeros(nt + 1, np.int64)
     if S == 0:
