@@ -47,12 +47,13 @@ BLOCK_ENTRIES = -1          # `_prepare`'s sbb for this kernel's inputs: in orde
 L1_AHEAD = 4096
 # The weight stream's prefetch into L2 (kernels/fp4_simd.py `prefetch_weights`, 16 KiB ahead) is emitted in every
 # call of two inputs or more, and in a call of one input per path: "always", "shared" (only beside other threads:
-# not by a thread working alone) or "never" (read when the kernel is emitted; kernels/lab/lanes_ab.py --l2-one). Zen 4 VM, lanes_ab per-round ratios (kernels/lab/README.md, "a
-# tenth time" and "an eleventh time"): one thread on the AVX-512 paths, whose products outrun DRAM, lost 5-25% of
-# its reach to it at one input (in C too: kernels/lab/lanes_reach.c); two threads gain from it there (batch 1 0.92
-# against 0.88 of the 2-thread stream, 0.69-0.84 against 0.63-0.73 in the fast phase; verify 2 1.14 / 1.06 over
-# the superblock kernel), and from two inputs a call every thread count and path does (up to 1.5x). On the AVX2
-# path (half the products a cycle) one thread gains at one input too (1.25 against 1.04-1.10 without).
+# not by a thread working alone) or "never" (read when the kernel is emitted; kernels/lab/lanes_ab.py --l2-one).
+# Zen 4 VM, lanes_ab per-round ratios (kernels/lab/README.md, "a tenth time" and "an eleventh time"): one thread
+# on the AVX-512 paths, whose products outrun DRAM, lost 5-25% of its reach to it at one input (in C too:
+# kernels/lab/lanes_reach.c); two threads gain from it there (batch 1 0.92 against 0.88 of the 2-thread stream,
+# 0.69-0.84 against 0.63-0.73 in the fast phase; verify 2 1.14 / 1.06 over the superblock kernel), and from two
+# inputs a call every thread count and path does (up to 1.5x). On the AVX2 path (half the products a cycle) one
+# thread gains at one input too (1.25 against 1.04-1.10 without).
 L2_ONE_INPUT = {1: "always", 2: "shared", 3: "shared", 4: "shared"}
 L2_RULES = ("always", "shared", "never")
 
