@@ -342,7 +342,7 @@ ITEM_READ = 4
 def _spans(off, per, nt):
     """The items (slot s, row chunk k: c = s per + k, slot-major) cut into nt contiguous spans of equal
     cost (`ITEM_READ` + the slot's inputs, per item): thread t takes items b[t]..b[t+1]-1, then helps
-    the others from their spans' ends (`_turn`). With an equal count per thread a call whose busy
+    the others from their spans' ends (`_next`). With an equal count per thread a call whose busy
     experts came first left one thread idle most of the call; contiguous spans keep each thread's
     reads in order. Which thread computes an output changes no bit."""
     S = len(off) - 1
@@ -381,18 +381,23 @@ def _claim(typingctx, flags, c):
 
 
 @njit(nogil=True, cache=CACHE, inline="always")
-def _turn(t, k, i, b, nt):
-    """Thread t's i-th item in span (t + k) % nt of `_spans`' b: its own span (k = 0) from the front, then
-    the others' from the back -> item c, or -1 past the span. A thread takes each item with `_claim` and
-    leaves a span at the first it finds taken: the owner and the one thread stealing from the back meet
-    with nothing skipped, and the threads finish together however their reads ran (one thread of 2
-    idled a median 5%, mean 8% of each pass of a batch-1 step on the Zen 4 VM; 0.3% this way, 1.02
-    (0.98-1.11) the speed: kernels/lab/README.md, "an eleventh time"). Which thread computes an item
-    changes no bit."""
-    u = (t + k) % nt
-    if i >= b[u + 1] - b[u]:
-        return -1
-    return b[u] + i if k == 0 else b[u + 1] - 1 - i
+def _next(taken, b, t, k, i):
+    """Thread t's next item from `_spans`' b, claimed in `taken` (int32 [items], zeroed): the i-th of span
+    (t + k) % nt, its own (k = 0) from the front, then the others' from their ends -> (item c, k, i), c = -1
+    when nothing is left; call again with (k, i + 1). Each item is claimed with `_claim`, and a span is left at
+    the first item found taken: the owner and the one thread stealing from the back meet with nothing
+    skipped, so the threads finish together however their reads ran (one thread of 2 idled a median 5%,
+    mean 8% of each pass of a batch-1 step on the Zen 4 VM; 0.3% this way, 1.02 (0.98-1.11) the speed:
+    kernels/lab/README.md, "an eleventh time"). Which thread computes an item changes no bit."""
+    nt = len(b) - 1
+    while k < nt:
+        u = (t + k) % nt
+        if i < b[u + 1] - b[u]:
+            c = b[u] + i if k == 0 else b[u + 1] - 1 - i
+            if _claim(taken, c):
+                return c, k, i
+        k, i = k + 1, 0
+    return -1, k, i
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
@@ -415,13 +420,11 @@ def _matvecs(codes, scales, experts, off, xq, xc, xr, out, streams, inputs, nt):
     b = _spans(off, per, nt)
     taken = np.zeros(b[nt], np.int32)
     for t in prange(nt):
-        for k in range(nt):
-            i, c = 0, _turn(t, k, 0, b, nt)
-            while c >= 0 and _claim(taken, c):
-                s, r0, r1 = _item(c, per, N)
-                _chunk(cf, sf, qf, cxf, rf, experts[s], N, K, r0, r1, off[s], off[s + 1], of, streams, inputs)
-                i += 1
-                c = _turn(t, k, i, b, nt)
+        c, k, i = _next(taken, b, t, 0, 0)
+        while c >= 0:
+            s, r0, r1 = _item(c, per, N)
+            _chunk(cf, sf, qf, cxf, rf, experts[s], N, K, r0, r1, off[s], off[s + 1], of, streams, inputs)
+            c, k, i = _next(taken, b, t, k, i + 1)
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
@@ -444,18 +447,16 @@ def _matvecs_wide(codes, scales, experts, off, xq, xc, xr, out, streams, inputs,
     b = _spans(off, per, nt)
     taken = np.zeros(b[nt], np.int32)
     for t in prange(nt):
-        for k in range(nt):
-            i, c = 0, _turn(t, k, 0, b, nt)
-            while c >= 0 and _claim(taken, c):
-                s, r0, r1 = _item(c, per, N)
-                e = experts[s]
-                B = off[s + 1] - off[s]
-                if B * K > l1_inputs:
-                    B = inputs if streams == 1 and inputs * K <= l1_inputs else 4
-                for j0 in range(off[s], off[s + 1], B):
-                    _chunk(cf, sf, qf, cxf, rf, e, N, K, r0, r1, j0, min(j0 + B, off[s + 1]), of, streams, inputs)
-                i += 1
-                c = _turn(t, k, i, b, nt)
+        c, k, i = _next(taken, b, t, 0, 0)
+        while c >= 0:
+            s, r0, r1 = _item(c, per, N)
+            e = experts[s]
+            B = off[s + 1] - off[s]
+            if B * K > l1_inputs:
+                B = inputs if streams == 1 and inputs * K <= l1_inputs else 4
+            for j0 in range(off[s], off[s + 1], B):
+                _chunk(cf, sf, qf, cxf, rf, e, N, K, r0, r1, j0, min(j0 + B, off[s + 1]), of, streams, inputs)
+            c, k, i = _next(taken, b, t, k, i + 1)
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
@@ -476,20 +477,18 @@ def _matvecs_lanes(codes, scales, experts, off, xq, xc, xr, out, streams, inputs
     b = _spans(off, per, nt)
     taken = np.zeros(b[nt], np.int32)
     for t in prange(nt):
-        for k in range(nt):
-            i, c = 0, _turn(t, k, 0, b, nt)
-            while c >= 0 and _claim(taken, c):
-                s, r0, r1 = _item(c, per, N)
-                e = experts[s]
-                for j0 in range(off[s], off[s + 1], inputs):
-                    j1 = min(j0 + inputs, off[s + 1])
-                    if streams == 4 and r1 - r0 == 4 * GROUP:
-                        _lanes(4, cf, (e * N + r0) * (K // 2), sf, (e * N + r0) * (K // 32), qf, cxf, rf, j0, j1, K, of, r0, N, nt == 1)
-                    else:
-                        for r in range(r0, r1, GROUP):
-                            _lanes(1, cf, (e * N + r) * (K // 2), sf, (e * N + r) * (K // 32), qf, cxf, rf, j0, j1, K, of, r, N, nt == 1)
-                i += 1
-                c = _turn(t, k, i, b, nt)
+        c, k, i = _next(taken, b, t, 0, 0)
+        while c >= 0:
+            s, r0, r1 = _item(c, per, N)
+            e = experts[s]
+            for j0 in range(off[s], off[s + 1], inputs):
+                j1 = min(j0 + inputs, off[s + 1])
+                if streams == 4 and r1 - r0 == 4 * GROUP:
+                    _lanes(4, cf, (e * N + r0) * (K // 2), sf, (e * N + r0) * (K // 32), qf, cxf, rf, j0, j1, K, of, r0, N, nt == 1)
+                else:
+                    for r in range(r0, r1, GROUP):
+                        _lanes(1, cf, (e * N + r) * (K // 2), sf, (e * N + r) * (K // 32), qf, cxf, rf, j0, j1, K, of, r, N, nt == 1)
+            c, k, i = _next(taken, b, t, k, i + 1)
 
 
 def _lanes(G, cf, c_off, sf, s_off, qf, cxf, rf, j0, j1, K, of, r, N, alone):

@@ -390,26 +390,23 @@ def _take(taken, c):
 @settings(max_examples=300, deadline=None)
 @given(spans=st.lists(st.integers(0, 12), min_size=1, max_size=6), seed=st.integers(0, 2**32 - 1))
 def test_the_threads_finish_together_taking_every_item_once_in_any_interleaving(spans, seed):
-    """`_turn` + `_claim`: each thread its own span from the front, then the others' from their ends,
-    leaving a span at the first item it finds taken. Threads stepped in a random interleaving (one claim a
+    """`_next` (with `_claim`): each thread its own span from the front, then the others' from their ends,
+    leaving a span at the first item it finds taken. Threads stepped in a random interleaving (one item a
     step, the scheduler's worst cases included: a thread that never runs until the rest are done, two
     thieves at one span): every item is taken exactly once, none skipped; and the intrinsic claims an
     item once and reports it taken after."""
     nt = len(spans)
     b = np.concatenate([[0], np.cumsum(spans)]).astype(np.int64)
     taken, by = np.zeros(b[nt], np.int32), np.full(b[nt], -1)
-    state = [[0, 0] for _ in range(nt)]                                  # per thread: span k, index i
+    state = [(0, 0) for _ in range(nt)]                                  # per thread: span k, index i of its next try
     live, rng = list(range(nt)), np.random.default_rng(seed)
     while live:
         t = live[rng.integers(len(live))]
-        k, i = state[t]
-        c = cpu_moe._turn(t, k, i, b, nt)
-        if c >= 0 and _take(taken, c):
-            assert by[c] == -1
-            by[c], state[t][1] = t, i + 1
-        elif k + 1 < nt:
-            state[t] = [k + 1, 0]
-        else:
+        c, k, i = cpu_moe._next(taken, b, t, *state[t])
+        if c < 0:
             live.remove(t)
+            continue
+        assert by[c] == -1
+        by[c], state[t] = t, (k, i + 1)
     assert (by >= 0).all() and (taken == 1).all()
     assert not any(_take(taken, c) for c in range(b[nt]))                # a taken item stays taken
