@@ -410,3 +410,24 @@ def test_the_threads_finish_together_taking_every_item_once_in_any_interleaving(
         by[c], state[t] = t, (k, i + 1)
     assert (by >= 0).all() and (taken == 1).all()
     assert not any(_take(taken, c) for c in range(b[nt]))                # a taken item stays taken
+
+
+@settings(max_examples=200, deadline=None)
+@given(T=st.integers(0, 9), K=st.integers(1, 8), E=st.integers(1, 20), seed=st.integers(0, 2**32 - 1))
+def test_assignments_are_grouped_by_expert_in_token_order_whatever_the_banks_size(T, K, E, seed):
+    """`_plan_slots` against a plain grouping: experts ascending, each slot's (token, k) in order, -1
+    skipped; the same answer for a bank of 2**40 experts (the plan reads nothing the size of the bank: a
+    probe's bank of hundreds of thousands of tiny experts once paid for a count over all of them)."""
+    ids = np.random.default_rng(seed).integers(-1, E, (T, K))
+    want = {}
+    for t in range(T):
+        for k in range(K):
+            if ids[t, k] != -1:
+                want.setdefault(int(ids[t, k]), []).append((t, k))
+    for n in (E, 2**40):
+        experts, off, tok, kk = cpu_moe._plan_slots(ids, n)
+        assert list(experts) == sorted(want) and off[0] == 0 and off[-1] == len(tok) == len(kk)
+        for s, e in enumerate(experts):
+            assert list(zip(tok[off[s]:off[s + 1]], kk[off[s]:off[s + 1]])) == want[e]
+    with pytest.raises(ValueError, match="out of range"):
+        cpu_moe._plan_slots(np.full((1, K), E, np.int64), E)
