@@ -13,6 +13,14 @@ import hashlib
 import os
 from pathlib import Path
 
+# MKL (torch's BLAS on x86) keeps each GEMM's packing buffers for reuse by default, per thread and for the
+# life of the process: on the AMX Xeon VM a prompt's attention and FP8 tiles left 16-22 MB of them
+# resident that no plan counts (runtime/budget.py: 1.10-1.15 of the plan where the rest read 0.99-1.01).
+# MKL reads this once, when torch loads it: set before any module here imports torch (runtime, autotune
+# and reports import this package first); a user's own setting wins. Where torch came first,
+# kernels.threads.release_blas_buffers hands the buffers back after each forward instead.
+os.environ.setdefault("MKL_DISABLE_FAST_MM", "1")
+
 
 def _salted_cache_dir(forced_isa: str | None) -> Path:
     h = hashlib.sha256()

@@ -1,7 +1,10 @@
 """The thread pools (numba's and torch's), set in one place for every kernel."""
 from __future__ import annotations
 
+import ctypes
+import os
 from contextlib import contextmanager
+from functools import cache
 
 import numba
 import torch
@@ -42,3 +45,30 @@ def concurrent_ok() -> bool:
     layers are threadsafe; workqueue aborts the process on concurrent launches, so callers then run
     their kernels one after the other (hostinfo.numba_threading_layer)."""
     return numba_threading_layer() != "workqueue"
+
+
+@cache
+def _mkl():
+    """torch's MKL (linked into libtorch_cpu on x86 builds) where it exports its memory calls, else None."""
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        _ = lib.mkl_serv_get_fast_mm_status, lib.mkl_serv_free_buffers      # both exported, or neither used
+        return lib
+    except (OSError, AttributeError):
+        return None
+
+
+def blas_keeps_buffers() -> bool:
+    """Whether torch's BLAS keeps GEMM buffers between calls in this process: MKL's own allocator on,
+    which happens only where torch was loaded before MKL_DISABLE_FAST_MM was set (kernels/__init__.py)."""
+    lib = _mkl()
+    return lib is not None and lib.mkl_serv_get_fast_mm_status() == 0
+
+
+def release_blas_buffers() -> bool:
+    """Hand the GEMM buffers torch's BLAS kept back to the allocator (every thread's), where it keeps any:
+    what a forward's matmuls leave is then freed with the forward's other temporaries. -> whether it did."""
+    if not blas_keeps_buffers():
+        return False
+    _mkl().mkl_serv_free_buffers()
+    return True

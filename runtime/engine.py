@@ -10,6 +10,7 @@ greedy verification is lossless, and in float64 tests can check its bookkeeping 
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 from tokenizers import Tokenizer
 
 from hostinfo import cuda_available
+from kernels.threads import blas_keeps_buffers
 from runtime import budget
 from runtime.budget import check_plan, check_request
 from runtime.checkpoint.reader import Checkpoint
@@ -129,6 +131,10 @@ class Engine:
         self.device = "cpu" if reference else (device or ("cuda" if cuda_available() else "cpu"))
         # freed temporaries kept for the next layer, up to what the plan counts of them
         keep_freed_memory(budget.transient_bytes(self.plan, self.footprint, "cpu" if self.device == "cpu" else "host"))
+        if blas_keeps_buffers():
+            warnings.warn("torch was imported before dsv41 (kernels/__init__.py), so MKL keeps its GEMM buffers: a forward "
+                          "holds some MB the plan does not count (they are handed back after it); import dsv41 first or "
+                          "set MKL_DISABLE_FAST_MM=1", RuntimeWarning, stacklevel=2)
         if not reference:
             check_plan(self.plan, self.footprint, dense_on_host=self.device == "cpu")
         t0 = time.perf_counter()

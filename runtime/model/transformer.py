@@ -37,7 +37,7 @@ from kernels.arrays import numba_ok
 from kernels.decode_layer import MAX_ROWS
 from kernels.norms import RMS_EPS
 from kernels.engram_hash import engram_rows, slot_ranges, slot_seeds
-from kernels.threads import torch_threads
+from kernels.threads import release_blas_buffers, torch_threads
 from runtime.config import ModelConfig
 from runtime.model.attention import attend, attend_decode, select
 from runtime.model.decode import FusedDecode
@@ -159,7 +159,9 @@ class Model:
         per sequence."""
         n = sum(len(t) for t in token_lists)
         with torch_threads(1 if n <= ONE_POOL_TOKENS else self.torch_threads):
-            return self._forward_many(states, token_lists, decoder_start, verify or [False] * len(states))
+            out = self._forward_many(states, token_lists, decoder_start, verify or [False] * len(states))
+        release_blas_buffers()                  # a no-op unless torch came before kernels/__init__.py
+        return out
 
     def _forward_many(self, states: list[SeqState], token_lists: list[list[int]], decoder_start: int, verify: list[bool]) -> list:
         c = self.cfg
