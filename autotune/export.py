@@ -38,6 +38,8 @@ def _kernel_notes(plan: Plan, notes: list, engine: str) -> None:
                      f"{engine}'s own CPU kernels pick their access order themselves")
         notes.append(f"cpu_moe_inputs={plan.cpu_moe_inputs}: the most inputs one row decode of dsv41's CPU-MoE kernel "
                      f"serves, measured faster on this host; {engine}'s own CPU kernels block their inputs themselves")
+        notes.append(f"cpu_moe_fetch={plan.cpu_moe_fetch}: how dsv41's CPU-MoE kernel prefetches one input's weights, "
+                     f"measured faster on this host; {engine}'s own CPU kernels fetch their weights themselves")
 
 
 def _vram_share(plan: Plan, card_gib: float | None) -> str | None:

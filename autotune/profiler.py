@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 
 from autotune.probes import nvme, runtime_paths
-from autotune.probes.cpu_moe import GEOMETRIES, VERIFY_TOKENS, cpu_moe, random_bank, row_inputs, row_streams
+from autotune.probes.cpu_moe import GEOMETRIES, VERIFY_TOKENS, cpu_moe, random_bank, row_fetch, row_inputs, row_streams
 from hostinfo import cuda_available, probe_budget_bytes, usable_cores
 from hostinfo.fingerprint import fingerprint
 from hostinfo.measure import Measurement, measure
-from kernels.cpu_moe import DEFAULT_INPUTS
+from kernels.cpu_moe import DEFAULT_FETCH, DEFAULT_INPUTS
 from kernels.probe_bank import ProbeTooLarge, expert_bytes
 from kernels.stream import dram_copy, dram_stream_read, stream_buffer
 from runtime.profile import SCHEMA, io_path
@@ -157,18 +157,19 @@ def _contended(bank, top_k, threads, path: Path, n_reads: int, repeats: int, str
                                    "unit": "IOPS", "source": "measured", "note": "QD 8, while the CPU-MoE probe ran"}}
 
 
-def _cpu_moe_sweep(cfg, cores: int, quick: bool, step) -> tuple[list, tuple | None, dict | None, dict | None]:
+def _cpu_moe_sweep(cfg, cores: int, quick: bool, step) -> tuple[list, tuple | None, dict | None, dict | None, dict | None]:
     """The kernel at the served geometry (its top_k) and at V4.1's and V4-Flash's (theirs), over widths
-    and threads, in the row layout this host reads faster and, with rows in order, the inputs per row
-    decode it runs faster (both chosen first, on the first geometry whose experts are >= 1 MiB,
-    interleaved). -> (figures, (bank, top_k, layout) for the contended pairs: served, or V4.1's where the
-    served experts are toy-sized, the layout choice, the inputs choice)."""
+    and threads, in the row layout this host reads faster, with rows in order the inputs per row decode
+    it runs faster, and on the lanes paths the fetching one input's calls run faster with (all chosen
+    first, on the first geometry whose experts are >= 1 MiB, interleaved). -> (figures, (bank, top_k,
+    layout) for the contended pairs: served, or V4.1's where the served experts are toy-sized, the
+    layout choice, the inputs choice, the fetching choice)."""
     geoms = {f"{cfg.hidden_size}x{cfg.moe_intermediate_size}": (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok)}
     for h, i, k in GEOMETRIES.values():
         geoms.setdefault(f"{h}x{i}", (h, i, k))
     big = lambda g: expert_bytes(*g[1][:2]) >= 1 << 20
     geoms = dict(sorted(geoms.items(), key=lambda g: not big(g)))     # the layout is chosen on real-sized experts
-    streams, layout, inputs, blocking = 4, None, DEFAULT_INPUTS, None
+    streams, layout, inputs, blocking, fetch, fetching = 4, None, DEFAULT_INPUTS, None, DEFAULT_FETCH, None
     threads_sweep = sorted({1, cores}) if quick else sorted({1, max(1, cores // 2), cores})
     widths = (1, 6, 64) if quick else (1, 2, 4, 6, 64, 256)
     out, served = [], None
@@ -191,19 +192,26 @@ def _cpu_moe_sweep(cfg, cores: int, quick: bool, step) -> tuple[list, tuple | No
                 inputs, by = row_inputs(bank, cores, K, rounds=1 if quick else 5, note=note, repeats=2 if quick else 3)
                 blocking = {"best": inputs, "geometry": gname, "threads": cores, "tokens": 8, "source": "measured",
                             "gbs": {str(k): _fig(v) for k, v in by.items()}}
+            step("CPU-MoE fetching")
+            best, by = row_fetch(bank, cores, K, streams, rounds=1 if quick else 5, note=note, repeats=2 if quick else 3)
+            if best is not None:
+                fetch = best
+                fetching = {"best": best, "geometry": gname, "threads": cores, "tokens": 1, "source": "measured",
+                            "gbs": {k: _fig(v) for k, v in by.items()}}
         for t in threads_sweep:
             for w in widths:
                 if t != cores and (w > 8 if not quick else w not in (1, 64)):
                     continue                  # other thread counts: decode and one prefill width
                 if quick and not here and (t != cores or w > 8):
                     continue                  # quick: the reference geometries at decode widths only
-                r = cpu_moe(bank, w, t, top_k=K, repeats=6 if quick else 12, note=note, streams=streams, inputs=inputs)
+                r = cpu_moe(bank, w, t, top_k=K, repeats=6 if quick else 12, note=note, streams=streams, inputs=inputs,
+                            fetch=fetch)
                 out.append(_fig(r, geometry=gname, tokens=w, threads=t))
         if served is None and (bank.expert_bytes >= 1 << 20 or (H, I) == GEOMETRIES["deepseek-v4.1-flash"][:2]):
             served = (bank, K, streams)
         else:
             del bank
-    return out, served, layout, blocking
+    return out, served, layout, blocking, fetching
 
 
 def _forward_terms(ck: Checkpoint, quick: bool) -> dict:
@@ -314,11 +322,10 @@ def run_profile(checkpoint, quick: bool = False, progress=None) -> dict:
     m["dram_copy_gbs"] = _fig(dram_copy(cores, repeats=3 if quick else 5, buf=buf, note=note), threads=cores,
                               note="bytes copied")
     del buf
-    m["cpu_moe_gbs"], served, layout, blocking = _cpu_moe_sweep(cfg, cores, quick, step)
-    if layout is not None:
-        m["cpu_moe_streams"] = layout
-    if blocking is not None:
-        m["cpu_moe_inputs"] = blocking
+    m["cpu_moe_gbs"], served, layout, blocking, fetching = _cpu_moe_sweep(cfg, cores, quick, step)
+    for key, fig in (("cpu_moe_streams", layout), ("cpu_moe_inputs", blocking), ("cpu_moe_fetch", fetching)):
+        if fig is not None:
+            m[key] = fig
     step("matmul")
     m["matmul_tflops"] = _fig(_matmul_tflops(quick), dtype="f32")
     step("dense path, attention vs context (runtime)")

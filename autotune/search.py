@@ -85,6 +85,12 @@ def cpu_moe_inputs(profile: dict) -> int:
     return int((profile["measurements"].get("cpu_moe_inputs") or {}).get("best", Plan.cpu_moe_inputs))
 
 
+def cpu_moe_fetch(profile: dict) -> str:
+    """How one input's CPU-MoE calls fetch their weights, as the profiler measured faster on this host (the
+    Plan's default when the profile predates the probe, or the host's path fetches one way)."""
+    return str((profile["measurements"].get("cpu_moe_fetch") or {}).get("best", Plan.cpu_moe_fetch))
+
+
 def suggest_plan(trial: optuna.Trial, profile: dict, fp: Footprint, wl: Workload, vram_budget_gib, allow_inexact) -> Plan:
     gpu = bool(profile["host"]["hard"].get("gpu_name"))
     cores = int(profile["host"]["hard"]["physical_cores"])
@@ -99,6 +105,7 @@ def suggest_plan(trial: optuna.Trial, profile: dict, fp: Footprint, wl: Workload
         cpu_threads=trial.suggest_categorical("cpu_threads_choice", sorted({0, max(1, cores - 2), max(1, cores // 2), 1})),
         cpu_moe_streams=cpu_moe_streams(profile),          # a measured fact of the host, not a search dimension
         cpu_moe_inputs=cpu_moe_inputs(profile),            # likewise
+        cpu_moe_fetch=cpu_moe_fetch(profile),              # likewise
         # a share of the room this plan leaves in RAM for experts (below); >= 1: all of it
         host_expert_budget_gib=trial.suggest_float("host_expert_share", 0.0, 1.25),
         prefill_chunk=trial.suggest_categorical("prefill_chunk", list(CHUNKS)),

@@ -4,10 +4,11 @@
 
 For each thread count: DRAM stream read (buffer >= 4x LLC) and the kernel at batch 1 (1 token x top-6)
 over a bank >= 4x LLC, fresh experts every step, in each row layout (`streams` 4: four rows a
-quarter-chunk apart per thread; 1: rows in order), each also at a verify of 8 tokens, all interleaved
-in rounds; the layout the profiler would pick from those (autotune/probes/cpu_moe.py `pick_layout`:
-batch 1 and the verify together) is the row's figure and the widths' layout, the other is kept beside
-it. Every ratio
+quarter-chunk apart per thread; 1: rows in order), each also at a verify of 8 tokens and, on the lanes
+paths, at batch 1 with each way of fetching one input's weights (kernels/fp4_lanes.py FETCHES), all
+interleaved in rounds; the layout the profiler would pick from those (autotune/probes/cpu_moe.py
+`pick_layout`: batch 1 and the verify together), then the faster fetching in it (`row_fetch`), is the
+row's figure and the widths' setting; the others are kept beside it. Every ratio
 is the median of per-round ratios, each round's kernel over the stream read in that round
 (hostinfo.measure.paired_ratio: a VM's bandwidth can flip between phases a few seconds long), with
 its spread over the rounds. Geometries: V4.1 (5120x2304,
@@ -47,7 +48,7 @@ from kernels.stream import dram_stream_read, stream_buffer  # noqa: E402
 from kernels.int8_peak import measure_peak  # noqa: E402
 from kernels.probe_bank import ProbeTooLarge, bank_size, batch_ids, step_ids  # noqa: E402
 from runtime.config import ModelConfig  # noqa: E402
-from kernels.cpu_moe import DEFAULT_INPUTS, GROUP, ISA, MODE, ROW_INPUTS, Fp4Bank, dequant_experts, expert_ffn, expert_ffn_dense  # noqa: E402
+from kernels.cpu_moe import DEFAULT_FETCH, DEFAULT_INPUTS, FETCHES, GROUP, ISA, MODE, ROW_INPUTS, Fp4Bank, dequant_experts, expert_ffn, expert_ffn_dense  # noqa: E402
 
 GEOMETRIES = {"v4.1": (5120, 2304), "v4-flash": (4096, 2048), "small": (2048, 768)}
 WIDTHS = (2, 4, 6, 8)                                  # DSpark verify / continuous batching
@@ -70,7 +71,7 @@ def bank_for(H, I, seed=0, batch=0):
     return Fp4Bank.random(n, H, I, seed=seed)
 
 
-def decode_step(bank, T=1, pool=None, streams=4, inputs=DEFAULT_INPUTS, routed=None):
+def decode_step(bank, T=1, pool=None, streams=4, inputs=DEFAULT_INPUTS, routed=None, fetch=DEFAULT_FETCH):
     """A closure that runs one step on fresh experts each call (fn.bytes: distinct expert bytes per step).
     T = 1: 6 consecutive experts; `pool`: a verify (T tokens' top-6 from `pool` experts); `routed`: a batch
     of T independent tokens, each top-6 of `routed` model experts."""
@@ -93,7 +94,7 @@ def decode_step(bank, T=1, pool=None, streams=4, inputs=DEFAULT_INPUTS, routed=N
     def fn():
         ids = plan[state["i"] % len(plan)]
         state["i"] += 1
-        expert_ffn(x, ids, w, bank, streams=streams, inputs=inputs)
+        expert_ffn(x, ids, w, bank, streams=streams, inputs=inputs, fetch=fetch)
     # distinct expert bytes per step: the mean over the plan (a verify step meets 6-10 of its pool), as the
     # profiler's probe counts them (autotune/probes/cpu_moe.py), not the last step's count
     fn.bytes = float(np.mean([len(np.unique(p)) for p in plan])) * bank.expert_bytes
@@ -153,7 +154,7 @@ def main(argv=None):
     print(f"ISA {ISA}, LLC {llc_bytes() / 2**20:.0f} MiB, threads {args.threads}; banks "
           + (f"in lanes as rows ({GROUP} rows a vector, kernels/fp4_lanes.py)" if GROUP else "with rows in order (the superblock kernel)"), flush=True)
 
-    layouts, peak = {}, None
+    layouts, fetched, peak = {}, {}, None
     buf, buf_note = stream_buffer()                    # one buffer for every round's stream read (first touch once)
     for name, (H, I) in GEOMETRIES.items():
         if args.quick and name != "v4.1":
@@ -171,20 +172,28 @@ def main(argv=None):
                 return gbs(m, step.bytes)
             # the profiler's verify for the layout (autotune/probes/cpu_moe.py row_streams): top-6 of 12 experts
             verify = {s_: dict(T=VERIFY_TOKENS, pool=12, inputs=max(ROW_INPUTS) if s_ == 1 else DEFAULT_INPUTS) for s_ in (4, 1)}
-            S, K4, K1, V4, V1 = rounds_of([stream_at(t, buf, buf_note), lambda n: kern(n, 4), lambda n: kern(n, 1),
-                                           lambda n: kern(n, 4, **verify[4]), lambda n: kern(n, 1, **verify[1])], rounds, steps)
-            s, k4, k1 = pooled(S), pooled(K4), pooled(K1)
-            best = pick_layout({4: k4.samples, 1: k1.samples}, {4: pooled(V4).samples, 1: pooled(V1).samples})
-            layouts[(name, t)] = best
-            (k, K), (other, O) = ((k1, K1), (k4, K4)) if best == 1 else ((k4, K4), (k1, K1))
+            # each layout with each fetching on the lanes paths (kernels/fp4_lanes.py FETCHES; rows in order fetch one way)
+            fetches = FETCHES if GROUP else (DEFAULT_FETCH,)
+            ks = [(s_, f) for f in fetches for s_ in (4, 1)]
+            S, V4, V1, *KS = rounds_of([stream_at(t, buf, buf_note), lambda n: kern(n, 4, **verify[4]), lambda n: kern(n, 1, **verify[1])]
+                                       + [lambda n, s_=s_, f=f: kern(n, s_, fetch=f) for s_, f in ks], rounds, steps)
+            KS = dict(zip(ks, KS))
+            s = pooled(S)
+            # as the profiler picks: the layout at the default fetching (batch 1 and the verify), then the fetching
+            best = pick_layout({s_: pooled(KS[(s_, DEFAULT_FETCH)]).samples for s_ in (4, 1)}, {4: pooled(V4).samples, 1: pooled(V1).samples})
+            fetch = max(fetches, key=lambda f: pooled(KS[(best, f)]).median)
+            layouts[(name, t)], fetched[(name, t)] = best, fetch
+            K, O = KS[(best, fetch)], KS[(5 - best, fetch)]
             ratio, other_ratio = paired_ratio(K, S), paired_ratio(O, S)
+            others = {f"fetch_{f}_ratio": paired_ratio(KS[(best, f)], S) for f in fetches if f != fetch}
             r = row(geometry=name, shape=f"{H}x{I}", tokens=1, threads=t, bank_gb=round(bank.n_experts * bank.expert_bytes / 1e9, 2),
-                    kernel_gbs=k, stream_gbs=s, ratio=ratio, streams=best, other_layout_gbs=other, other_layout_ratio=other_ratio,
-                    rounds=len(S))
+                    kernel_gbs=pooled(K), stream_gbs=s, ratio=ratio, streams=best, fetch=fetch, other_layout_gbs=pooled(O),
+                    other_layout_ratio=other_ratio, rounds=len(S), **others)
             rows.append(r)
             print(f"{name:9s} batch 1  threads {t}: kernel {r['kernel_gbs']:6.2f} GB/s  stream {r['stream_gbs']:6.2f}"
                   f"  ratio {r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f} over {len(S)} rounds)"
-                  f"  (row streams {best}, picked as the profiler picks; the other layout {r['other_layout_ratio']:.2f})", flush=True)
+                  f"  (row streams {best}, fetching {fetch}, picked as the profiler picks; the other layout {r['other_layout_ratio']:.2f}"
+                  + "".join(f", fetching {f} {v:.2f}" for f, v in ((k_[6:-6], v_) for k_, v_ in others.items())) + ")", flush=True)
             if name == "v4.1" and t == max(args.threads):
                 head = r
         if name == "v4.1":
@@ -205,7 +214,7 @@ def main(argv=None):
                               f"memory budget) holds fewer than a batch's {W * 6} distinct ones", flush=True)
                         continue
                     wide = dict(pool=10) if kind == "verify" else dict(routed=ROUTED)
-                    vers = {n: decode_step(bank, T=W, streams=lay, inputs=n, **wide) for n in choices}
+                    vers = {n: decode_step(bank, T=W, streams=lay, inputs=n, fetch=fetched[(name, t)], **wide) for n in choices}
                     limits = [stream_at(t, buf, buf_note)] + ([peak_at(t)] if peak else [])
                     S, *M = rounds_of(limits + [lambda k, v=v: gbs(measure(v, repeats=k, warmup=2), v.bytes) for v in vers.values()],
                                       rounds, max(4, steps // 2))

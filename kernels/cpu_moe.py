@@ -38,7 +38,7 @@ from hostinfo import isa, l1d_bytes
 from kernels import ISA_CACHE
 from kernels.formats import dequantize_mxfp4, quantize_act
 from kernels.fp4_i8 import LUT16, OFFSET, ROWS_FIRST, fp4_i8_dot, superblock_bytes
-from kernels.fp4_lanes import BLOCK_ENTRIES, fp4_lanes_dot, group_rows, to_lanes, to_rows
+from kernels.fp4_lanes import BLOCK_ENTRIES, FAR, FAR_ALONE, FETCHES, NEAR, fp4_lanes_dot, group_rows, to_lanes, to_rows
 from kernels.fp4_simd import E2M1, fp4_dequant
 from kernels.probe_bank import expert_bytes
 from kernels.threads import set_threads
@@ -63,6 +63,7 @@ ROW_STREAMS = (1, 4)         # DRAM streams a thread reads at once: rows in orde
 DEFAULT_STREAMS = 1          # where nothing was measured: rows in order won on 3 of the 4 hosts measured (kernels/lab/README.md)
 ROW_INPUTS = (4, 8)          # the most inputs one row decode serves with rows in order (4 rows apart: always 4)
 DEFAULT_INPUTS = 4           # where nothing was measured: 8 won on the Emerald Rapids VM, 4 on the Zen 4 VM (`_rows`)
+DEFAULT_FETCH = "far"        # where nothing was measured: the lanes kernel's fetching (kernels/fp4_lanes.py FETCHES)
 # Rows in order go in pairs for a slot of 2 inputs or more where the path decodes 2 rows before loading its
 # inputs (AVX-512's 32 registers; kernels/fp4_i8.py ROWS_FIRST): each input vector loaded serves both rows.
 # The same bits (each output is one `_dot` of its row and input). Zen 4 VM, 2 threads, fresh rows from DRAM
@@ -464,13 +465,14 @@ def _matvecs_wide(codes, scales, experts, off, xq, xc, xr, out, streams, inputs,
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _matvecs_lanes(codes, scales, experts, off, xq, xc, xr, out, streams, inputs, nt):
+def _matvecs_lanes(codes, scales, experts, off, xq, xc, xr, out, streams, inputs, nt, near):
     """`_matvecs` over a bank in the lanes layout (`GROUP` rows a group; inputs prepared without
     superblocks). A chunk's rows go a group at a time, or (streams 4) its 4 groups in one call: 4 DRAM
     streams per thread, each input's broadcast serving all 4. The slot's inputs go `inputs` a call, each
     block over the chunk's groups before the next, so a block stays in L1 while the rows pass (from L2
     after the first block). Every output is its row's FMA chain with its input: the same bits whatever
-    the streams, inputs, threads or slot width. nt == 1: the thread works alone (`_lanes`' fetching)."""
+    the streams, inputs, threads, fetching or slot width. near: the "near" fetching (kernels/fp4_lanes.py
+    FETCHES), else "far", which tells a thread working alone (nt == 1) apart."""
     N = out.shape[1]
     K = xq.shape[1]
     qf, cxf, rf = xq.reshape(-1), xc.reshape(-1), xr.reshape(-1)
@@ -480,6 +482,7 @@ def _matvecs_lanes(codes, scales, experts, off, xq, xc, xr, out, streams, inputs
     per = (N + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK
     b = _spans(off, per, nt)
     taken = np.zeros(b[nt], np.int32)
+    how = NEAR if near else (FAR_ALONE if nt == 1 else FAR)
     for t in prange(nt):
         c, k, i = _next(taken, b, t, 0, 0)
         while c >= 0:
@@ -488,55 +491,58 @@ def _matvecs_lanes(codes, scales, experts, off, xq, xc, xr, out, streams, inputs
             for j0 in range(off[s], off[s + 1], inputs):
                 j1 = min(j0 + inputs, off[s + 1])
                 if streams == 4 and r1 - r0 == 4 * GROUP:
-                    _lanes(4, cf, (e * N + r0) * (K // 2), sf, (e * N + r0) * (K // 32), qf, cxf, rf, j0, j1, K, of, r0, N, nt == 1)
+                    _lanes(4, cf, (e * N + r0) * (K // 2), sf, (e * N + r0) * (K // 32), qf, cxf, rf, j0, j1, K, of, r0, N, how)
                 else:
                     for r in range(r0, r1, GROUP):
-                        _lanes(1, cf, (e * N + r) * (K // 2), sf, (e * N + r) * (K // 32), qf, cxf, rf, j0, j1, K, of, r, N, nt == 1)
+                        _lanes(1, cf, (e * N + r) * (K // 2), sf, (e * N + r) * (K // 32), qf, cxf, rf, j0, j1, K, of, r, N, how)
             c, k, i = _next(taken, b, t, k, i + 1)
 
 
-def _lanes(G, cf, c_off, sf, s_off, qf, cxf, rf, j0, j1, K, of, r, N, alone):
+def _lanes(G, cf, c_off, sf, s_off, qf, cxf, rf, j0, j1, K, of, r, N, how):
     """G consecutive groups from row r (bank offsets c_off, s_off) against inputs j0..j1-1 (at most 8);
-    alone: the call's thread works alone (kernels/fp4_lanes.py `L2_ONE_INPUT`: it tells one input's calls apart)."""
+    `how` (kernels/fp4_lanes.py FAR, FAR_ALONE or NEAR) tells one input's calls apart (calls of more
+    fetch "far": where a batch's experts each meet one token, its calls are one input's)."""
     raise NotImplementedError("numba-only")
 
 
 @overload(_lanes, prefer_literal=True, inline="always")
-def _ov_lanes(G, cf, c_off, sf, s_off, qf, cxf, rf, j0, j1, K, of, r, N, alone):
+def _ov_lanes(G, cf, c_off, sf, s_off, qf, cxf, rf, j0, j1, K, of, r, N, how):
     if not isinstance(G, types.IntegerLiteral):
         return None
     g = G.literal_value
 
-    def lanes(G, cf, c_off, sf, s_off, qf, cxf, rf, j0, j1, K, of, r, N, alone):
+    def lanes(G, cf, c_off, sf, s_off, qf, cxf, rf, j0, j1, K, of, r, N, how):
         gc, gs, o = GROUP * (K // 2), GROUP * (K // 32), j0 * N + r
         n = j1 - j0
-        if n == 1 and alone:
-            fp4_lanes_dot(g, 1, MODE, 1, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
+        if n == 1 and how == NEAR:
+            fp4_lanes_dot(g, 1, MODE, NEAR, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
+        elif n == 1 and how == FAR_ALONE:
+            fp4_lanes_dot(g, 1, MODE, FAR_ALONE, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
         elif n == 1:
-            fp4_lanes_dot(g, 1, MODE, 0, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
+            fp4_lanes_dot(g, 1, MODE, FAR, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
         elif n == 2:
-            fp4_lanes_dot(g, 2, MODE, 0, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
+            fp4_lanes_dot(g, 2, MODE, FAR, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
         elif n == 3:
-            fp4_lanes_dot(g, 3, MODE, 0, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
+            fp4_lanes_dot(g, 3, MODE, FAR, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
         elif n == 4:
-            fp4_lanes_dot(g, 4, MODE, 0, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
+            fp4_lanes_dot(g, 4, MODE, FAR, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
         elif n == 5:
-            fp4_lanes_dot(g, 5, MODE, 0, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
+            fp4_lanes_dot(g, 5, MODE, FAR, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
         elif n == 6:
-            fp4_lanes_dot(g, 6, MODE, 0, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
+            fp4_lanes_dot(g, 6, MODE, FAR, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
         elif n == 7:
-            fp4_lanes_dot(g, 7, MODE, 0, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
+            fp4_lanes_dot(g, 7, MODE, FAR, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
         else:
-            fp4_lanes_dot(g, 8, MODE, 0, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
+            fp4_lanes_dot(g, 8, MODE, FAR, cf, c_off, gc, sf, s_off, gs, qf, cxf, rf, j0, K, of, o, N, GROUP)
     return lanes
 
 
 @njit(nogil=True, cache=CACHE)
-def _passes(codes, scales, experts, off, xq, xc, xr, out, streams, inputs, l1_inputs, nt):
+def _passes(codes, scales, experts, off, xq, xc, xr, out, streams, inputs, l1_inputs, nt, near):
     """One weight pass: `_matvecs_lanes` on a lanes bank (GROUP), else `_matvecs`, or `_matvecs_wide`
     where a slot's inputs pass l1_inputs bytes."""
     if GROUP:
-        _matvecs_lanes(codes, scales, experts, off, xq, xc, xr, out, streams, inputs, nt)
+        _matvecs_lanes(codes, scales, experts, off, xq, xc, xr, out, streams, inputs, nt, near)
     elif np.max(off[1:] - off[:-1]) * xq.shape[1] > l1_inputs:
         _matvecs_wide(codes, scales, experts, off, xq, xc, xr, out, streams, inputs, l1_inputs, nt)
     else:
@@ -711,10 +717,12 @@ def _combine(y, tok, kk, wts, out):
 
 
 def expert_ffn(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, bank: Fp4Bank, threads: int | None = None,
-               out: np.ndarray | None = None, streams: int = DEFAULT_STREAMS, inputs: int = DEFAULT_INPUTS) -> np.ndarray:
+               out: np.ndarray | None = None, streams: int = DEFAULT_STREAMS, inputs: int = DEFAULT_INPUTS,
+               fetch: str = DEFAULT_FETCH) -> np.ndarray:
     """x [T, H] f32, ids [T, K] int64 (bank rows; duplicates allowed; -1 = none, skipped), wts [T, K] f32
     -> y [T, H] f32. streams: DRAM streams per thread (ROW_STREAMS); inputs: the most inputs a row decode
-    serves with rows in order (ROW_INPUTS); the same bits for every choice of either.
+    serves with rows in order (ROW_INPUTS); fetch: how the lanes kernel fetches its weights (FETCHES; the
+    other kernels have one way); the same bits for every choice of each.
     With `out`, the result is added into it."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     ids = np.ascontiguousarray(ids, dtype=np.int64)
@@ -726,13 +734,15 @@ def expert_ffn(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, bank: Fp4Bank, t
         raise ValueError(f"expert_ffn: streams must be one of {ROW_STREAMS}, got {streams}")
     if inputs not in ROW_INPUTS:
         raise ValueError(f"expert_ffn: inputs must be one of {ROW_INPUTS}, got {inputs}")
+    if fetch not in FETCHES:
+        raise ValueError(f"expert_ffn: fetch must be one of {FETCHES}, got {fetch!r}")
     if bank.group != GROUP:
         raise ValueError(f"expert_ffn: the bank's layout is group {bank.group}, this path's kernel ({ISA}) reads "
                          f"group {GROUP} (0: rows in order): build it with Fp4Bank.from_experts or random")
     set_threads(threads)
     y = np.zeros((T, H), np.float32) if out is None else out
     _ffn(x, ids, wts, bank.w13_codes, bank.w13_scales, bank.w2_codes, bank.w2_scales, streams, inputs, l1_input_bytes(),
-         numba.get_num_threads(), y, *ffn_scratch(ids, bank.inter, H))
+         numba.get_num_threads(), fetch == "near", y, *ffn_scratch(ids, bank.inter, H))
     return y
 
 
@@ -748,7 +758,7 @@ def ffn_scratch(ids: np.ndarray, inter: int, hidden: int) -> tuple[np.ndarray, n
 
 
 @njit(nogil=True, cache=CACHE)
-def _ffn(x, ids, wts, w13_codes, w13_scales, w2_codes, w2_scales, streams, inputs, l1_inputs, nt, y, h, d):
+def _ffn(x, ids, wts, w13_codes, w13_scales, w2_codes, w2_scales, streams, inputs, l1_inputs, nt, near, y, h, d):
     """expert_ffn's steps in one compiled call (its parallel kernels launched from here, no Python
     between them), into h [A, 2I] and d [A, H] (`ffn_scratch`). In the mini decode on the Zen 2 VM the
     steps around the two weight passes took ~0.28 ms a call (planning 47 us with the wrapper, quantizing
@@ -762,10 +772,10 @@ def _ffn(x, ids, wts, w13_codes, w13_scales, w2_codes, w2_scales, streams, input
         return
     sbb = BLOCK_ENTRIES if GROUP else SUPERBLOCK                   # the lanes kernel: in order, an entry per block
     xq, xc, xr = _prepare(x, tok, sbb)                             # [A, H] int8 (+ [A, H/8 or H/32] x2): A = assignments (<= T K)
-    _passes(w13_codes, w13_scales, experts, off, xq, xc, xr, h, streams, inputs, l1_inputs, nt)   # h [A, 2I]
+    _passes(w13_codes, w13_scales, experts, off, xq, xc, xr, h, streams, inputs, l1_inputs, nt, near)   # h [A, 2I]
     a = _swiglu(h, inter)                                          # [A, I]
     aq, ac, ar = _prepare(a, np.arange(len(tok)), sbb)
-    _passes(w2_codes, w2_scales, experts, off, aq, ac, ar, d, streams, inputs, l1_inputs, nt)     # d [A, H]
+    _passes(w2_codes, w2_scales, experts, off, aq, ac, ar, d, streams, inputs, l1_inputs, nt, near)     # d [A, H]
     _combine(d, tok, kk, wts, y)
 
 

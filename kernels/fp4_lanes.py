@@ -56,6 +56,16 @@ L1_AHEAD = 4096
 # thread gains at one input too (1.25 against 1.04-1.10 without).
 L2_ONE_INPUT = {1: "always", 2: "shared", 3: "shared", 4: "shared"}
 L2_RULES = ("always", "shared", "never")
+# How a call fetches its weights, per host (`Plan.cpu_moe_fetch`, measured by the profiler: the faster here):
+#   "far"   the codes into L1 L1_AHEAD bytes ahead, into L2 16 KiB ahead by the rules above (the Zen 4 VM's best);
+#   "near"  a call of one input: the codes into L1 NEAR_L1_AHEAD bytes ahead, none into L2 (calls of more: "far").
+# AMX Xeon VM, kernels/lab/lanes_reach.c (one input, one / two threads, per-round ratios to a 64-byte stream):
+# L1 alone 1-2 KiB ahead 0.94-0.98 against the "far" fetching's 0.87-0.89 (and 0.75 / 0.88 at 8 / 4 KiB); the
+# package, `benchmarks/cpu_moe.py --quick` A B A B at 2 threads: batch 1 0.74 / 0.72 of the stream against 0.66 /
+# 0.69, batch widths 0.72-0.78 against 0.69-0.71, verify widths alike (kernels/lab/README.md).
+FETCHES = ("far", "near")
+NEAR_L1_AHEAD = 2048
+FAR, FAR_ALONE, NEAR = 0, 1, 2        # `fp4_lanes_dot`'s literal `fetch`: "far" beside other threads / alone, "near"
 
 
 def group_rows(mode: int) -> int:
@@ -84,24 +94,28 @@ def to_rows(codes: np.ndarray, scales: np.ndarray, group: int):
 
 
 @intrinsic
-def fp4_lanes_dot(typingctx, G_t, T_t, mode_t, alone_t, codes, c_off, g_stride, scales, s_off, gs_stride,
+def fp4_lanes_dot(typingctx, G_t, T_t, mode_t, fetch_t, codes, c_off, g_stride, scales, s_off, gs_stride,
                   xq, xc, xr, a0, K, out, o_off, o_stride, og_stride):
     """G groups of R rows (group g's codes at c_off + g g_stride, its scales at s_off + g gs_stride) against
     inputs a0 .. a0+T-1: out[o_off + j o_stride + g og_stride + l] = row l of group g . input a0 + j.
-    alone (literal 0 / 1): the call is made by a thread working alone (`L2_ONE_INPUT`; the same bits)."""
-    G, T, mode, alone = _literal(G_t), _literal(T_t), _literal(mode_t), _literal(alone_t)
-    if G is None or T is None or mode is None or alone is None:
+    fetch (literal FAR / FAR_ALONE / NEAR): how the weights are fetched (`FETCHES`; FAR_ALONE: "far" by a thread
+    working alone, `L2_ONE_INPUT`); the same bits whichever."""
+    G, T, mode, fetch = _literal(G_t), _literal(T_t), _literal(mode_t), _literal(fetch_t)
+    if G is None or T is None or mode is None or fetch is None:
         return None
     if mode not in STEP:
         raise TypeError(mode_error(mode))
-    sig = types.void(G_t, T_t, mode_t, alone_t, codes, c_off, g_stride, scales, s_off, gs_stride, xq, xc, xr, a0, K,
+    if fetch not in (FAR, FAR_ALONE, NEAR):
+        raise TypeError(f"fp4_lanes_dot: fetch must be FAR ({FAR}), FAR_ALONE ({FAR_ALONE}) or NEAR ({NEAR}), got {fetch}")
+    sig = types.void(G_t, T_t, mode_t, fetch_t, codes, c_off, g_stride, scales, s_off, gs_stride, xq, xc, xr, a0, K,
                      out, o_off, o_stride, og_stride)
 
     def codegen(context, builder, signature, args):
         rule = L2_ONE_INPUT.get(mode, "always")                             # read as the kernel is emitted
         if rule not in L2_RULES:
             raise ValueError(f"fp4_lanes.L2_ONE_INPUT[{mode}] = {rule!r}: one of {L2_RULES}")
-        l2 = T > 1 or rule == "always" or (rule == "shared" and not alone)
+        l2 = T > 1 or (fetch != NEAR and (rule == "always" or (rule == "shared" and fetch == FAR)))
+        ahead = NEAR_L1_AHEAD if fetch == NEAR else L1_AHEAD
         (_, _, _, _, _, c_off_v, g_stride_v, _, s_off_v, gs_stride_v, _, _, _, a0_v, K_v,
          _, o_off_v, o_stride_v, og_stride_v) = args
         cb, sb, qb, cxb, rb, ob = _data_ptrs(context, builder, signature.args, args, (4, 7, 10, 11, 12, 15))
@@ -126,8 +140,8 @@ def fp4_lanes_dot(typingctx, G_t, T_t, mode_t, alone_t, codes, c_off, g_stride, 
                 for k in range(0, 16 * R, 64):
                     if l2:
                         prefetch_weights(builder, prefetch, builder.gep(cb, [builder.add(gc, c64(k))]))
-                    if L1_AHEAD > 0:
-                        builder.call(prefetch, [builder.gep(cb, [builder.add(gc, c64(k + L1_AHEAD))]), ir.Constant(i32, 0),
+                    if ahead > 0:
+                        builder.call(prefetch, [builder.gep(cb, [builder.add(gc, c64(k + ahead))]), ir.Constant(i32, 0),
                                                 ir.Constant(i32, 3), ir.Constant(i32, 1)])
                 lohi = [st.decode(st.load(cb, builder.add(gc, c64(4 * R * v)), st.vb)) for v in range(4)]
                 s_at = builder.add(builder.add(s_off_v, builder.mul(c64(g), gs_stride_v)), builder.mul(b, c64(R)))

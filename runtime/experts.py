@@ -256,7 +256,7 @@ class PlacedExperts:
     def _run(self, bank, x, ids, wts, key):
         t0 = time.perf_counter()
         y = expert_ffn(x, ids, wts, bank, threads=self.threads, streams=self.plan.cpu_moe_streams,
-                       inputs=self.plan.cpu_moe_inputs)
+                       inputs=self.plan.cpu_moe_inputs, fetch=self.plan.cpu_moe_fetch)
         self.seconds[key] += time.perf_counter() - t0
         return y
 
@@ -356,7 +356,7 @@ class PlacedExperts:
             for bank, group, rows in self._groups(layer, dev_keys):
                 job = self._subset(x, ids_np, w_np, group, rows, bank)
                 y += expert_ffn(x, job[1], job[2], job[0], threads=self.threads, streams=self.plan.cpu_moe_streams,
-                                inputs=self.plan.cpu_moe_inputs)
+                                inputs=self.plan.cpu_moe_inputs, fetch=self.plan.cpu_moe_fetch)
                 del bank, job                 # one NVMe batch alive at a time
             self.seconds["device_moe"] += time.perf_counter() - t0
         # a call may need more distinct experts than there are slots (a wide prefill chunk, a long verify
@@ -450,11 +450,11 @@ class PlacedExperts:
         self.drafter_experts_read += len(set(ids.reshape(-1).tolist()))
         t0 = time.perf_counter()
         y = expert_ffn(x, ids.cpu().numpy(), wts.detach().to(torch.float32).cpu().numpy(), self.drafter[k], threads=self.threads,
-                       streams=self.plan.cpu_moe_streams, inputs=self.plan.cpu_moe_inputs)
+                       streams=self.plan.cpu_moe_streams, inputs=self.plan.cpu_moe_inputs, fetch=self.plan.cpu_moe_fetch)
         if self.drafter_shared:
             y += expert_ffn(x, np.zeros((len(x), 1), np.int64), np.ones((len(x), 1), np.float32), self.drafter_shared[k],
                             threads=self.threads, streams=self.plan.cpu_moe_streams,
-                            inputs=self.plan.cpu_moe_inputs)
+                            inputs=self.plan.cpu_moe_inputs, fetch=self.plan.cpu_moe_fetch)
         self.seconds["dspark_moe"] += time.perf_counter() - t0
         return torch.from_numpy(y).to(device=m.device, dtype=m.dtype)
 

@@ -35,6 +35,8 @@ class Plan:
                                           # The default where the host was not measured (kernels/cpu_moe.py DEFAULT_STREAMS)
     cpu_moe_inputs: int = 4               # the most inputs one CPU-MoE row decode serves: 4 | 8 (rows in order only); exact.
                                           # The default where the host was not measured (kernels/cpu_moe.py DEFAULT_INPUTS)
+    cpu_moe_fetch: str = "far"            # how one input's CPU-MoE calls fetch weights: far | near (kernels/fp4_lanes.py
+                                          # FETCHES; the lanes paths); exact. The default where not measured (DEFAULT_FETCH)
     host_expert_budget_gib: float | None = None   # routed experts kept in host RAM; None = all; the rest on NVMe
     expert_nvme_path: str = "nvme_direct"  # experts beyond the budget: O_DIRECT batched reads | nvme_mmap: page cache
     prefill_chunk: int = 512              # prompt tokens per prefill chunk
@@ -67,6 +69,8 @@ class Plan:
             bad("cpu_moe_streams", f"must be 1 or 4, got {self.cpu_moe_streams}")
         if self.cpu_moe_inputs not in (4, 8):
             bad("cpu_moe_inputs", f"must be 4 or 8, got {self.cpu_moe_inputs}")
+        if self.cpu_moe_fetch not in ("far", "near"):
+            bad("cpu_moe_fetch", f"must be 'far' or 'near', got {self.cpu_moe_fetch!r}")
         if self.cpu_moe_inputs == 8 and self.cpu_moe_streams != 1:
             bad("cpu_moe_inputs", "8 needs cpu_moe_streams = 1 (rows in order); four rows apart always decode for 4 inputs")
         if not 0.0 <= self.fetch_fraction <= 1.0:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from hostinfo.measure import Measurement, measure
-from kernels.cpu_moe import DEFAULT_INPUTS, ROW_INPUTS, ROW_STREAMS, Fp4Bank, expert_ffn
+from kernels.cpu_moe import DEFAULT_FETCH, DEFAULT_INPUTS, FETCHES, GROUP, ROW_INPUTS, ROW_STREAMS, Fp4Bank, expert_ffn
 from kernels.probe_bank import bank_size, step_ids
 
 # name -> (hidden, expert intermediate, top_k): the served geometries every profile carries
@@ -24,7 +24,7 @@ def random_bank(H: int, I: int, top_k: int, seed: int = 0, budget: int | None = 
 
 
 def cpu_moe(bank: Fp4Bank, tokens: int, threads: int, top_k: int, repeats: int = 10, note: str = "",
-            streams: int = 4, inputs: int = DEFAULT_INPUTS) -> Measurement:
+            streams: int = 4, inputs: int = DEFAULT_INPUTS, fetch: str = DEFAULT_FETCH) -> Measurement:
     """tokens == 1: decode (top_k fresh experts); 2..8: a verify batch whose experts overlap (drawn
     from 2*top_k); > 8: a prefill width (all tokens on one expert per step)."""
     H, E = bank.hidden, bank.n_experts
@@ -45,14 +45,14 @@ def cpu_moe(bank: Fp4Bank, tokens: int, threads: int, top_k: int, repeats: int =
         i = state["i"] % len(plans)
         state["i"] += 1
         ids = plans[i]
-        expert_ffn(x, ids, np.ones(ids.shape, np.float32), bank, threads=threads, streams=streams, inputs=inputs)
+        expert_ffn(x, ids, np.ones(ids.shape, np.float32), bank, threads=threads, streams=streams, inputs=inputs, fetch=fetch)
     m = measure(step, repeats=repeats, warmup=2)
     nbytes = float(np.mean(sizes))
     k = plans[0].shape[1]
     flop = 2 * 3 * H * bank.inter * tokens * k
     g = Measurement(m.map(lambda s: nbytes / s / 1e9, "GB/s").samples, "GB/s", note=note,
                     extra={"gflops": flop / m.median / 1e9, "bank_experts": E, "top_k": top_k, "streams": streams,
-                           "inputs": inputs})
+                           "inputs": inputs, "fetch": fetch})
     return g
 
 
@@ -95,3 +95,19 @@ def row_inputs(bank: Fp4Bank, threads: int, top_k: int, rounds: int = 5, note: s
             samples[n] += cpu_moe(bank, tokens, threads, top_k, repeats=repeats, note=note, streams=1, inputs=n).samples
     best = max(ROW_INPUTS, key=lambda n: float(np.median(samples[n])))
     return best, {n: Measurement(tuple(v), "GB/s", note=note) for n, v in samples.items()}
+
+
+def row_fetch(bank: Fp4Bank, threads: int, top_k: int, streams: int, rounds: int = 5, note: str = "",
+              repeats: int = 3) -> tuple[str | None, dict]:
+    """How a one-input call of the lanes kernel should fetch its weights on this host (kernels/fp4_lanes.py
+    FETCHES; a batch-1 step's calls are all one input's, and most of a batch's): batch 1, fresh experts,
+    each way once per round. -> (the faster one, {fetch: samples}); (None, {}) on a path with rows in
+    order, which fetches one way."""
+    if not GROUP:
+        return None, {}
+    samples = {f: [] for f in FETCHES}
+    for _ in range(rounds):
+        for f in FETCHES:
+            samples[f] += cpu_moe(bank, 1, threads, top_k, repeats=repeats, note=note, streams=streams, fetch=f).samples
+    best = max(FETCHES, key=lambda f: float(np.median(samples[f])))
+    return best, {f: Measurement(tuple(v), "GB/s", note=note) for f, v in samples.items()}

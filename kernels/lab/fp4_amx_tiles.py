@@ -304,7 +304,7 @@ def _pass_pair(bank, width, seed=0):
     inputs = 8 if width >= 8 else 4
 
     def gemv():
-        cm._passes(bank.w13_codes, bank.w13_scales, experts, off, xq, xc, xr, gemv_out, 1, inputs, l1, threads)
+        cm._passes(bank.w13_codes, bank.w13_scales, experts, off, xq, xc, xr, gemv_out, 1, inputs, l1, threads, False)
 
     def tiles():
         tile_matvecs(bank.w13_codes, bank.w13_scales, experts, off, tile_inputs(xq), xr, tile_out, cfg, threads)

@@ -80,6 +80,7 @@ def main(argv=None):
                     help="... and per kernels/fp4_simd.py WEIGHT_PREFETCH (bytes ahead into L2; < 0 none); default the package's")
     ap.add_argument("--l2-one", nargs="+", default=None, choices=fl.L2_RULES,
                     help="... and per kernels/fp4_lanes.py L2_ONE_INPUT (this path's: when a call of one input prefetches into L2)")
+    ap.add_argument("--fetch", default=cm.DEFAULT_FETCH, choices=fl.FETCHES, help="the lanes copies' fetching (Plan.cpu_moe_fetch)")
     ap.add_argument("--stream", action="store_true", help="also each copy's per-round ratio to the DRAM stream probe")
     args = ap.parse_args(argv)
     if not cm.MODE:
@@ -93,7 +94,8 @@ def main(argv=None):
     mods = copies(args.l1_ahead, args.prefetch, args.l2_one)
     names = list(mods)
     buf = stream_buffer() if args.stream else None
-    w = (bank.w13_codes, bank.w13_scales, bank.w2_codes, bank.w2_scales, args.streams, args.inputs, cm.l1_input_bytes(), args.threads)
+    w = (bank.w13_codes, bank.w13_scales, bank.w2_codes, bank.w2_scales, args.streams, args.inputs, cm.l1_input_bytes(), args.threads,
+         args.fetch == "near")
     print(f"path {MODES[cm.MODE]}, {args.threads} threads, streams {args.streams}, up to {args.inputs} inputs a call, "
           f"bank {E} experts ({E * bank.expert_bytes / 1e9:.1f} GB{'; ' + note if note else ''})", flush=True)
     for W in args.widths:

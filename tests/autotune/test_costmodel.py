@@ -122,10 +122,11 @@ def test_cpu_only_host_gets_cpu_plans(epyc, v41):
 
 
 @pytest.mark.parametrize("field,other", [("cpu_moe_streams", 5 - Plan.cpu_moe_streams),   # 1 <-> 4
-                                         ("cpu_moe_inputs", 12 - Plan.cpu_moe_inputs)])    # 4 <-> 8
+                                         ("cpu_moe_inputs", 12 - Plan.cpu_moe_inputs),     # 4 <-> 8
+                                         ("cpu_moe_fetch", "near")])
 def test_the_cpu_moe_kernels_choices_come_from_the_hosts_measurement(epyc, v41, field, other):
-    """The row layout and the inputs per row decode are measured facts of the host (the profiler's
-    interleaved runs), not searched: every plan carries the faster; a profile without the probe keeps
+    """The row layout, the inputs per row decode and the fetching are measured facts of the host (the
+    profiler's interleaved runs), not searched: every plan carries the faster; a profile without the probe keeps
     the kernel's default."""
     one = copy.deepcopy(epyc)
     one["measurements"][field] = {"best": other, "geometry": "5120x2304", "threads": 2, "gbs": {}}
@@ -313,6 +314,8 @@ def test_plan_roundtrip_and_errors(tmp_path):
         Plan.from_dict({"chunk": 4})
     with pytest.raises(PlanError, match="'cpu_moe_inputs' must be 4 or 8"):
         Plan(cpu_moe_inputs=6)
+    with pytest.raises(PlanError, match="'cpu_moe_fetch' must be 'far' or 'near'"):
+        Plan(cpu_moe_fetch="l2")
     with pytest.raises(PlanError, match="'cpu_moe_inputs' 8 needs cpu_moe_streams = 1"):    # a choice that would not act
         Plan(cpu_moe_inputs=8, cpu_moe_streams=4)
     prof = {"host": {"hard": {}}, "plan": plan.to_dict()}

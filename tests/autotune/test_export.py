@@ -36,7 +36,8 @@ def test_context_and_chunk_always_map_and_the_line_parses(engine):
     assert shlex.split(body) == [f"{k}={v}" for k, v in env.items()] + words                 # the printed line is the command
     said = " ".join(words) + " " + " ".join(notes)
     for knob in ("dspark" if engine != "sglang" else "DSPARK", "bounded-replay" if engine != "llama.cpp" else "bounded",
-                 "nvme_direct", "host_expert_budget_gib", "600", "cpu_moe_streams", "cpu_moe_inputs"):
+                 "nvme_direct", "host_expert_budget_gib", "600", "cpu_moe_streams", "cpu_moe_inputs",
+                 "cpu_moe_fetch"):
         assert knob in said, (engine, knob)
 
 

@@ -43,6 +43,14 @@ def test_quick_profile_is_complete_and_valid(quick_profile, tiny_dir):
         assert all(e["extra"]["inputs"] == blk["best"] for e in m["cpu_moe_gbs"] if "extra" in e)
     else:                                               # four rows apart always decode for 4 inputs
         assert "cpu_moe_inputs" not in m and all(e["extra"]["inputs"] == 4 for e in m["cpu_moe_gbs"] if "extra" in e)
+    from kernels.cpu_moe import GROUP
+    if GROUP:                                           # the lanes paths: one input's fetching, batch 1, interleaved
+        fe = m["cpu_moe_fetch"]
+        assert fe["geometry"] == "5120x2304" and fe["tokens"] == 1 and set(fe["gbs"]) == {"far", "near"}
+        assert fe["best"] == max(("far", "near"), key=lambda f: fe["gbs"][f]["median"])
+        assert all(e["extra"]["fetch"] == fe["best"] for e in m["cpu_moe_gbs"] if "extra" in e)
+    else:                                               # rows in order fetch one way
+        assert "cpu_moe_fetch" not in m
     for k in ("pcie_h2d_gbs", "pcie_gather_gbs"):
         assert "skipped" in m[k] or m[k]["median"] > 0  # never a zero
     qds = [e["qd"] for e in m["nvme_randread_4k"]]

@@ -74,15 +74,15 @@ bank = Fp4Bank.random(4, 256, 128, seed=4)
 rng = np.random.default_rng(0)
 x = rng.standard_normal((16, 256)).astype(np.float32)
 ids = rng.integers(0, 4, (16, 6)); w = rng.random((16, 6)).astype(np.float32)
-np.save(sys.argv[1], np.stack([expert_ffn(x, ids, w, bank, threads=t, streams=s, inputs=n)
-                               for t in (1, 3, 4) for s, n in ((4, 4), (1, 4), (1, 8))]))
+np.save(sys.argv[1], np.stack([expert_ffn(x, ids, w, bank, threads=t, streams=s, inputs=n, fetch=f)
+                               for t in (1, 3, 4) for s, n in ((4, 4), (1, 4), (1, 8)) for f in ("far", "near")]))
 """
 
 
 def test_bit_identical_for_any_thread_count(tmp_path):
     """1, 3 and 4 threads (numba runs 4 threads on any host, one core included), each row layout
-    (one DRAM stream per thread or four) and, rows in order, 4 or 8 inputs per row decode (~24 inputs
-    an expert here) give the same bits."""
+    (one DRAM stream per thread or four), rows in order 4 or 8 inputs per row decode (~24 inputs
+    an expert here), and either fetching give the same bits."""
     out = tmp_path / "y.npy"
     env = dict(os.environ, NUMBA_NUM_THREADS="4")
     p = subprocess.run([sys.executable, "-c", THREADS_SCRIPT, str(out)], env=env, capture_output=True, text=True, timeout=300)
@@ -92,6 +92,8 @@ def test_bit_identical_for_any_thread_count(tmp_path):
     with pytest.raises(ValueError, match="streams"):
         bank = Fp4Bank.random(2, 64, 32)
         expert_ffn(np.ones((1, 64), np.float32), np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32), bank, streams=2)
+    with pytest.raises(ValueError, match="fetch must be one of"):
+        expert_ffn(np.ones((1, 64), np.float32), np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32), bank, fetch="l2")
 
 
 def test_dense_prefill_path():
@@ -142,7 +144,7 @@ def test_bad_inputs_named():
     for bad in ((h[1:], d), (h, d[1:]), (np.empty((len(h), 2 * bank.inter - 1), np.float32), d)):
         with pytest.raises(ValueError, match="scratch does not fit"):
             cpu_moe._ffn(x, ids, w, bank.w13_codes, bank.w13_scales, bank.w2_codes, bank.w2_scales, 1, 4,
-                         cpu_moe.l1_input_bytes(), 1, y, *bad)
+                         cpu_moe.l1_input_bytes(), 1, False, y, *bad)
     ids[0, 0] = -1                                                          # no assignment: no scratch row
     assert cpu_moe.ffn_scratch(ids, bank.inter, bank.hidden)[0].shape[0] == ids.size - 1
 

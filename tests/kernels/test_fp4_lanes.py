@@ -58,16 +58,16 @@ def test_the_lanes_inputs_are_the_in_order_inputs_with_one_entry_a_block():
     assert np.array_equal(r1, r0[:, ::4], equal_nan=True) and np.isnan(r1[1, 3]) and np.isnan(r1[3, 3])
 
 
-def _gemv(mode, G, T, alone=0):
+def _gemv(mode, G, T, fetch=0):
     """Every row of a lanes bank [N, K/2] through fp4_lanes_dot, G groups x T inputs a call -> out [T, N]
-    (alone: the calls' literal flag, a thread working alone)."""
+    (fetch: the calls' literal, fp4_lanes FAR / FAR_ALONE / NEAR)."""
     R = group_rows(mode)
 
     @numba.njit
     def f(codes, scales, xq, xc, xr, K, out):
         N = out.shape[1]
         for r in range(0, N, G * R):
-            fp4_lanes_dot(G, T, mode, alone, codes.reshape(-1), r * (K // 2), R * (K // 2), scales.reshape(-1), r * (K // 32), R * (K // 32),
+            fp4_lanes_dot(G, T, mode, fetch, codes.reshape(-1), r * (K // 2), R * (K // 2), scales.reshape(-1), r * (K // 32), R * (K // 32),
                           xq, xc, xr, 0, K, out.reshape(-1), r, N, R)
     return f
 
@@ -143,31 +143,36 @@ def test_the_hosts_banks_are_laid_out_as_its_kernel_reads_them():
 
 
 @pytest.mark.skipif(not cpu_moe.GROUP, reason=f"this host's path ({cpu_moe.ISA}) keeps its banks' rows in order")
-def test_the_weight_streams_l2_prefetch_at_one_input_follows_its_rule_and_changes_no_bits(monkeypatch):
-    """fp4_lanes.L2_ONE_INPUT (this path's entry): calls of two inputs always emit the L2 prefetch of the
-    codes (a prefetch whose locality is not T0's: the L1 one is); a call of one input does under "always",
-    under "shared" only beside other threads (not alone), under "never" not at all; any other rule is
-    refused by name. A call's outputs are the same bits whichever it emits."""
+def test_the_weight_streams_l2_prefetch_at_one_input_follows_its_rule_and_fetching_and_changes_no_bits(monkeypatch):
+    """fp4_lanes.L2_ONE_INPUT (this path's entry) and the call's fetching (FETCHES): calls of two inputs
+    always emit the L2 prefetch of the codes (a prefetch whose locality is not T0's: the L1 one is); a call
+    of one input fetching "far" does under "always", under "shared" only beside other threads (not alone),
+    under "never" not at all, and fetching "near" never, its L1 prefetch at its own distance (other code
+    than "far" alone under "never"); any other rule is refused by name. A call's outputs are the same bits
+    whichever it emits."""
     from kernels import fp4_lanes, fp4_simd
+    from kernels.fp4_lanes import FAR, FAR_ALONE, NEAR
     mode, R, K = cpu_moe.MODE, cpu_moe.GROUP, 2304
     rng = np.random.default_rng()
     lc, ls = to_lanes(random_bytes(rng, (2 * R, K // 2)), rng.integers(118, 130, (2 * R, K // 32), dtype=np.uint8), R)
     x = rng.standard_normal((2, K)).astype(np.float32)
     xq, xc, xr = (a.reshape(-1) for a in _prepare(x, np.arange(2), BLOCK_ENTRIES))
-    outs, l2 = {}, {}
+    outs, l2, asms = {}, {}, {}
     monkeypatch.setattr(fp4_simd, "WEIGHT_PREFETCH", 16384)
-    for T, alone, rule in itertools.product((1, 2), (0, 1), fp4_lanes.L2_RULES):
+    for T, fetch, rule in itertools.product((1, 2), (FAR, FAR_ALONE, NEAR), fp4_lanes.L2_RULES):
         monkeypatch.setattr(fp4_lanes, "L2_ONE_INPUT", {**fp4_lanes.L2_ONE_INPUT, mode: rule})   # read as the kernel is emitted
-        f, out = _gemv(mode, 1, T, alone), np.zeros((T, 2 * R), np.float32)
+        f, out = _gemv(mode, 1, T, fetch), np.zeros((T, 2 * R), np.float32)
         f(lc, ls, xq, xc, xr, K, out)
-        asm = "".join(f.inspect_asm().values())
-        l2[(T, alone, rule)] = sum(asm.count(p) for p in ("prefetcht1", "prefetcht2", "prefetchnta"))
-        outs[(T, alone, rule)] = out
-    skipped = {(1, 1, "shared"), (1, 0, "never"), (1, 1, "never")}
+        asms[(T, fetch, rule)] = asm = "".join(f.inspect_asm().values())
+        l2[(T, fetch, rule)] = sum(asm.count(p) for p in ("prefetcht1", "prefetcht2", "prefetchnta"))
+        outs[(T, fetch, rule)] = out
+    skipped = {(1, FAR_ALONE, "shared"), (1, FAR, "never"), (1, FAR_ALONE, "never")} | \
+        {(1, NEAR, rule) for rule in fp4_lanes.L2_RULES}
     assert all(l2[k] == 0 for k in skipped)
     assert all(n > 0 for k, n in l2.items() if k not in skipped)
+    assert asms[(1, NEAR, "never")] != asms[(1, FAR_ALONE, "never")]       # the L1 prefetch's distance
     for T in (1, 2):
-        first = outs[(T, 0, "always")].view(np.uint32)
+        first = outs[(T, FAR, "always")].view(np.uint32)
         assert all(np.array_equal(first, o.view(np.uint32)) for k, o in outs.items() if k[0] == T)
     monkeypatch.setattr(fp4_lanes, "L2_ONE_INPUT", {**fp4_lanes.L2_ONE_INPUT, mode: "sometimes"})
     with pytest.raises(Exception, match="L2_ONE_INPUT.*sometimes"):

@@ -162,13 +162,15 @@ def test_sparse_path_is_exercised(ck, ref, case):
     assert visible_rows > cfg.index_topk and st.indexer_peak_bytes > 0   # the indexer really selects
 
 
-def test_threads_row_layout_and_inputs_per_decode_do_not_change_bits(ck, case):
+def test_threads_row_layout_inputs_per_decode_and_fetching_do_not_change_bits(ck, case):
     prompt, _ = case
     for one, other in ((Plan(cpu_threads=1), Plan(cpu_threads=2)),
                        (Plan(cpu_threads=1, cpu_moe_streams=1), Plan(cpu_threads=2, cpu_moe_streams=4)),
                        (Plan(cpu_moe_inputs=4, prefill_chunk=64), Plan(cpu_moe_inputs=8, prefill_chunk=64)),   # wide chunks: > 4 a row
                        (Plan(dspark=True, cpu_moe_streams=1), Plan(dspark=True, cpu_moe_streams=4)),      # the drafter's experts too
-                       (Plan(dspark=True, cpu_moe_inputs=4), Plan(dspark=True, cpu_moe_inputs=8))):
+                       (Plan(dspark=True, cpu_moe_inputs=4), Plan(dspark=True, cpu_moe_inputs=8)),
+                       (Plan(cpu_threads=1), Plan(cpu_threads=1, cpu_moe_fetch="near")),                   # fetching, alone
+                       (Plan(dspark=True), Plan(dspark=True, cpu_moe_fetch="near"))):                      # and beside others
         a = Engine(ck, one).generate(prompt, 8, keep_logits=True)
         b = Engine(ck, other).generate(prompt, 8, keep_logits=True)
         assert a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)), other
