@@ -38,9 +38,10 @@ import sys
 
 import numba
 import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import kernels  # noqa: E402,F401  (before torch: it sets the process up for it, kernels/__init__.py)
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from autotune.probes.cpu_moe import VERIFY_TOKENS, pick_layout  # noqa: E402
 from hostinfo import llc_bytes, usable_cores  # noqa: E402
 from hostinfo.measure import Measurement, measure, paired_ratio  # noqa: E402
@@ -193,7 +194,7 @@ def main(argv=None):
             print(f"{name:9s} batch 1  threads {t}: kernel {r['kernel_gbs']:6.2f} GB/s  stream {r['stream_gbs']:6.2f}"
                   f"  ratio {r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f} over {len(S)} rounds)"
                   f"  (row streams {best}, fetching {fetch}, picked as the profiler picks; the other layout {r['other_layout_ratio']:.2f}"
-                  + "".join(f", fetching {f} {v:.2f}" for f, v in ((k_[6:-6], v_) for k_, v_ in others.items())) + ")", flush=True)
+                  + "".join(f", fetching {f} {r[f'fetch_{f}_ratio']:.2f}" for f in fetches if f != fetch) + ")", flush=True)
             if name == "v4.1" and t == max(args.threads):
                 head = r
         if name == "v4.1":

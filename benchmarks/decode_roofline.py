@@ -48,11 +48,12 @@ from pathlib import Path
 
 import numba
 import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import kernels  # noqa: E402,F401  (before torch: it sets the process up for it, kernels/__init__.py)
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hostinfo import llc_bytes, probe_budget_bytes, usable_cores  # noqa: E402
-from autotune.probes.cpu_moe import row_inputs, row_streams  # noqa: E402
+from autotune.probes.cpu_moe import row_fetch, row_inputs, row_streams  # noqa: E402
 from hostinfo.measure import measure  # noqa: E402
 from kernels.stream import dram_stream_read  # noqa: E402
 from kernels.bf16_dense import Bf16Weight  # noqa: E402
@@ -80,11 +81,11 @@ class MoeCalls:
             self.calls.append((bank, x.copy(), ids.copy(), wts.copy(), time.perf_counter() - t0))
         return y
 
-    def replay_ratio(self, threads, streams, inputs) -> float:
+    def replay_ratio(self, threads, streams, inputs, fetch) -> float:
         """Replayed time / time in the engine (the plan's kernel choices), then forget the calls."""
         t0 = time.perf_counter()
         for bank, x, ids, wts, _ in self.calls:
-            expert_ffn(x, ids, wts, bank, threads=threads, streams=streams, inputs=inputs)
+            expert_ffn(x, ids, wts, bank, threads=threads, streams=streams, inputs=inputs, fetch=fetch)
         ratio = (time.perf_counter() - t0) / sum(c[-1] for c in self.calls)
         self.calls.clear()
         return ratio
@@ -145,6 +146,8 @@ def main(argv=None):
                     help="the CPU-MoE row layout (Plan.cpu_moe_streams); measured: the faster here, as the tuner picks it")
     ap.add_argument("--inputs", default="measured", choices=["measured", "4", "8"],
                     help="the CPU-MoE inputs per row decode (Plan.cpu_moe_inputs; rows in order only); measured: as the tuner picks it")
+    ap.add_argument("--fetch", default="measured", choices=["measured", "far", "near"],
+                    help="how one input's CPU-MoE calls fetch weights (Plan.cpu_moe_fetch); measured: as the tuner picks it")
     ap.add_argument("--rounds", type=int, default=3, help="engine runs, each followed by its limits (stream, kernels)")
     ap.add_argument("--unfused", action="store_true",
                     help="decode layers without the fused calls (runtime/model/decode.py): what they save, measured")
@@ -178,9 +181,15 @@ def main(argv=None):
     if args.inputs == "measured" and streams == 1:
         inputs, by = row_inputs(engine.experts.host[0], T, cfg.num_experts_per_tok)
         print("inputs per row decode (8-token verify): " + ", ".join(f"{k}: {v.median:.1f} GB/s" for k, v in by.items()) + f" -> {inputs}")
-    if (streams, inputs) != (plan.cpu_moe_streams, plan.cpu_moe_inputs):
+    fetch = args.fetch if args.fetch != "measured" else plan.cpu_moe_fetch
+    if args.fetch == "measured":
+        best, by = row_fetch(engine.experts.host[0], T, cfg.num_experts_per_tok, streams)
+        if best is not None:
+            fetch = best
+            print("one input's fetching (batch 1): " + ", ".join(f"{k}: {v.median:.1f} GB/s" for k, v in by.items()) + f" -> {fetch}")
+    if (streams, inputs, fetch) != (plan.cpu_moe_streams, plan.cpu_moe_inputs, plan.cpu_moe_fetch):
         engine.close()
-        plan = plan.replace(cpu_moe_streams=streams, cpu_moe_inputs=inputs)
+        plan = plan.replace(cpu_moe_streams=streams, cpu_moe_inputs=inputs, cpu_moe_fetch=fetch)
         engine = Engine(ck, plan)
     engine.model.fuse_decode = not args.unfused
     engine.generate(prompt, 4)                                   # warm: compile, page in
@@ -195,7 +204,7 @@ def main(argv=None):
         step["i"] += 1
         bank = banks[i % len(banks)]
         ids = ((np.arange(K) + K * (i // len(banks))) % bank.n_experts)[None]
-        expert_ffn(x, ids, np.ones_like(ids, dtype=np.float32), bank, threads=T, streams=streams, inputs=inputs)
+        expert_ffn(x, ids, np.ones_like(ids, dtype=np.float32), bank, threads=T, streams=streams, inputs=inputs, fetch=fetch)
     dense = [w for n, w in engine.model.w.items()                # what a decoded token multiplies (not the drafter)
              if len(w.shape) == 2 and n != "embed.weight" and not n.startswith("mtp.") and ".tid2eid" not in n]
     dense_bytes_rt = sum(w.nbytes for w in dense)                # as held: fp8 and BF16 as stored, the rest float32
@@ -229,7 +238,7 @@ def main(argv=None):
         at the prompt's width, measured now (a peak taken minutes away met another phase of this VM's sharing:
         one run's int8 peak came out at half, and the prefill 'beat' its roofline)."""
         mp = measure(lambda: expert_ffn(xp, np.zeros((n, 1), np.int64), np.ones((n, 1), np.float32), banks[1 % len(banks)],
-                                        threads=T, streams=streams, inputs=inputs), repeats=5, warmup=1)
+                                        threads=T, streams=streams, inputs=inputs, fetch=fetch), repeats=5, warmup=1)
         flops = 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * n / mp.median
         peak = matmul_peak_flops(T)
         int8_ops = 2 * measure_peak(MODE, T, lanes=bool(GROUP)).median if MODE else peak   # ops/s: 2 a product
@@ -244,7 +253,7 @@ def main(argv=None):
     for _ in range(args.rounds):
         calls.calls.clear()                                      # this round's decode only
         r = engine.generate(prompt, args.max_tokens)
-        replay = calls.replay_ratio(T, streams, inputs)
+        replay = calls.replay_ratio(T, streams, inputs, fetch)
         stream = dram_stream_read(T, repeats=3)
         m = measure(moe_step, repeats=12, warmup=2)
         md = measure(dense_pass, repeats=max(10, 2 * len(dense_sets)), warmup=len(dense_sets))
@@ -274,7 +283,7 @@ def main(argv=None):
            "prefill_kernel_ratio": med("prefill_kernel_ratio"),
            "stream_gbs": stream_gbs, "cpu_moe_kernel_gbs": kernel_gbs, "dense_gemv_gbs": dense_gbs,
            "bytes_per_token_footprint": bytes_tok, "dense_bytes_runtime": dense_bytes_rt, "cpu_moe_streams": streams,
-           "cpu_moe_inputs": inputs,
+           "cpu_moe_inputs": inputs, "cpu_moe_fetch": fetch,
            "reference": {"moe_banks": len(banks), "moe_rotation_bytes": moe_span, "dense_copies": copies,
                          "dense_rotation_bytes": copies * dense_bytes_rt, "llc_bytes": llc_bytes(), "note": ref_note},
            "prefill_bound": max(("flop", "bytes"), key=[rd["prefill_bound"] for rd in rounds].count),   # most rounds'

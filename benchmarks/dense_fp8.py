@@ -18,9 +18,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import kernels  # noqa: E402,F401  (before torch: it sets the process up for it, kernels/__init__.py)
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hostinfo import usable_cores  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
 from runtime.model.weights import load_dense  # noqa: E402

@@ -25,9 +25,10 @@ import os
 import statistics
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import kernels  # noqa: E402,F401  (before torch: it sets the process up for it, kernels/__init__.py)
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tokenizers import Tokenizer  # noqa: E402
 
 from runtime.checkpoint.reader import Checkpoint  # noqa: E402
