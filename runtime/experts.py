@@ -79,11 +79,11 @@ class ReferenceExperts:
 class NumbaSlots:
     """Slot memory on the CPU 'device': ds_fp4 arrays computed by the numba kernel."""
 
-    def __init__(self, n, hidden, inter, threads=None):
+    def __init__(self, n, hidden, inter, kernel=None):
         z = np.zeros
         self.bank = Fp4Bank(z((n, 2 * inter, hidden // 2), np.uint8), z((n, 2 * inter, hidden // 32), np.uint8),
                             z((n, hidden, inter // 2), np.uint8), z((n, hidden, inter // 32), np.uint8), GROUP)
-        self.threads = threads
+        self.kernel = kernel or {}            # expert_ffn's keywords: the plan's threads and kernel choices
 
     def put(self, slot, src: Fp4Bank, row):
         _same_layout(src, self.bank.group)
@@ -91,7 +91,7 @@ class NumbaSlots:
             getattr(self.bank, name)[slot] = getattr(src, name)[row]
 
     def compute(self, x, ids, wts) -> np.ndarray:
-        return expert_ffn(x, ids, wts, self.bank, threads=self.threads)
+        return expert_ffn(x, ids, wts, self.bank, **self.kernel)
 
 
 def _same_layout(src: Fp4Bank, group: int) -> None:
@@ -139,21 +139,21 @@ class TritonSlots:
         return y.cpu().numpy()
 
 
-def slot_memory(n, hidden, inter, device: str, threads=None):
+def slot_memory(n, hidden, inter, device: str, kernel=None):
     """The device slot cache's storage: Triton slots on CUDA (or when DSV41_SLOT_KERNEL=triton), else
-    numba slots on the CPU."""
+    numba slots on the CPU, computed with `kernel` (expert_ffn's keywords, `PlacedExperts.kernel`)."""
     import os
     if device.startswith("cuda") or os.environ.get("DSV41_SLOT_KERNEL") == "triton":
         return TritonSlots(n, hidden, inter, device)
-    return NumbaSlots(n, hidden, inter, threads)
+    return NumbaSlots(n, hidden, inter, kernel)
 
 
 class SlotCache:
     """N device slots holding (layer, expert) pairs, LRU, with hit/miss counters."""
 
-    def __init__(self, n: int, hidden: int, inter: int, device: str = "cpu", threads=None):
+    def __init__(self, n: int, hidden: int, inter: int, device: str = "cpu", kernel=None):
         self.n = n
-        self.mem = slot_memory(max(n, 1), hidden, inter, device, threads)
+        self.mem = slot_memory(max(n, 1), hidden, inter, device, kernel)
         self.where: OrderedDict = OrderedDict()     # (layer, expert) -> slot, LRU order (oldest first)
         self.hits = self.misses = 0
 
@@ -188,6 +188,9 @@ class PlacedExperts:
         self.threads, why = clamp_threads(plan.cpu_threads)      # 0: every usable core; never more than usable
         if why:
             warnings.warn(f"plan: {why}", RuntimeWarning, stacklevel=2)
+        # every CPU-MoE call's keywords: the threads and the plan's kernel choices, measured per host
+        self.kernel = dict(threads=self.threads, streams=plan.cpu_moe_streams, inputs=plan.cpu_moe_inputs,
+                           fetch=plan.cpu_moe_fetch)
         L, E, eb = cfg.num_hidden_layers, cfg.n_routed_experts, cfg.expert_bytes
         total = L * E if plan.host_expert_budget_gib is None else min(L * E, int(plan.host_expert_budget_gib * (1 << 30) // eb))
         per_layer = [total // L + (1 if i < total % L else 0) for i in range(L)]
@@ -211,10 +214,10 @@ class PlacedExperts:
         nvme_direct = total < L * E and plan.expert_nvme_path == "nvme_direct"
         self.reader = reader if reader is not None else (BatchedReader(depth=8) if nvme_direct else None)
         self.nvme_bytes = defaultdict(int)    # expert bytes read from the NVMe tier, by path
-        self.stream = (PrefillStream(plan, cfg, device, self.threads, slot_memory)
+        self.stream = (PrefillStream(plan, cfg, device, self.kernel, slot_memory)
                        if plan.prefill_moe_path == "device" else None)
         self.seconds = defaultdict(float)
-        self.cache = SlotCache(plan.slot_cache_experts, cfg.hidden_size, cfg.moe_intermediate_size, device, self.threads)
+        self.cache = SlotCache(plan.slot_cache_experts, cfg.hidden_size, cfg.moe_intermediate_size, device, self.kernel)
         for k in reversed(range(min(plan.slot_cache_experts, L * E))):   # warm start: lowest ids of each layer,
             i, e = k % L, k // L                                       # k = 0 most recent (autotune/routing.py)
             self.cache.put((i, e), *self._source(i, [e]))
@@ -255,8 +258,7 @@ class PlacedExperts:
     # ------------------------------------------------------------------ compute
     def _run(self, bank, x, ids, wts, key):
         t0 = time.perf_counter()
-        y = expert_ffn(x, ids, wts, bank, threads=self.threads, streams=self.plan.cpu_moe_streams,
-                       inputs=self.plan.cpu_moe_inputs, fetch=self.plan.cpu_moe_fetch)
+        y = expert_ffn(x, ids, wts, bank, **self.kernel)
         self.seconds[key] += time.perf_counter() - t0
         return y
 
@@ -355,8 +357,7 @@ class PlacedExperts:
             t0 = time.perf_counter()
             for bank, group, rows in self._groups(layer, dev_keys):
                 job = self._subset(x, ids_np, w_np, group, rows, bank)
-                y += expert_ffn(x, job[1], job[2], job[0], threads=self.threads, streams=self.plan.cpu_moe_streams,
-                                inputs=self.plan.cpu_moe_inputs, fetch=self.plan.cpu_moe_fetch)
+                y += expert_ffn(x, job[1], job[2], job[0], **self.kernel)
                 del bank, job                 # one NVMe batch alive at a time
             self.seconds["device_moe"] += time.perf_counter() - t0
         # a call may need more distinct experts than there are slots (a wide prefill chunk, a long verify
@@ -449,12 +450,10 @@ class PlacedExperts:
         x = m.detach().to(torch.float32).cpu().numpy()
         self.drafter_experts_read += len(set(ids.reshape(-1).tolist()))
         t0 = time.perf_counter()
-        y = expert_ffn(x, ids.cpu().numpy(), wts.detach().to(torch.float32).cpu().numpy(), self.drafter[k], threads=self.threads,
-                       streams=self.plan.cpu_moe_streams, inputs=self.plan.cpu_moe_inputs, fetch=self.plan.cpu_moe_fetch)
+        y = expert_ffn(x, ids.cpu().numpy(), wts.detach().to(torch.float32).cpu().numpy(), self.drafter[k], **self.kernel)
         if self.drafter_shared:
             y += expert_ffn(x, np.zeros((len(x), 1), np.int64), np.ones((len(x), 1), np.float32), self.drafter_shared[k],
-                            threads=self.threads, streams=self.plan.cpu_moe_streams,
-                            inputs=self.plan.cpu_moe_inputs, fetch=self.plan.cpu_moe_fetch)
+                            **self.kernel)
         self.seconds["dspark_moe"] += time.perf_counter() - t0
         return torch.from_numpy(y).to(device=m.device, dtype=m.dtype)
 

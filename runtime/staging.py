@@ -19,12 +19,12 @@ MIN_TOKENS = 16          # calls with at least this many tokens take the device 
 
 
 class PrefillStream:
-    def __init__(self, plan, cfg, device: str, threads, slot_memory):
+    def __init__(self, plan, cfg, device: str, kernel, slot_memory):
         self.n = plan.prefill_buffer_mib * (1 << 20) // cfg.expert_bytes
         if self.n < 1:
             raise ValueError(f"plan field 'prefill_buffer_mib' = {plan.prefill_buffer_mib} holds no expert of "
                              f"{cfg.expert_bytes / 2**20:.3f} MiB: prefill_moe_path 'device' needs at least one")
-        self.mem = slot_memory(self.n, cfg.hidden_size, cfg.moe_intermediate_size, device, threads)
+        self.mem = slot_memory(self.n, cfg.hidden_size, cfg.moe_intermediate_size, device, kernel)
 
     def wants(self, tokens: int) -> bool:
         return tokens >= MIN_TOKENS

@@ -19,6 +19,7 @@ from hostinfo import cuda_available
 from runtime.budget import DoesNotFit, check_plan, check_request
 from runtime.checkpoint.reader import Checkpoint
 from runtime.engine import Engine
+from runtime.experts import NumbaSlots
 from runtime.plan import Plan, PlanError
 from runtime.workload import make_prompt
 
@@ -170,9 +171,16 @@ def test_threads_row_layout_inputs_per_decode_and_fetching_do_not_change_bits(ck
                        (Plan(dspark=True, cpu_moe_streams=1), Plan(dspark=True, cpu_moe_streams=4)),      # the drafter's experts too
                        (Plan(dspark=True, cpu_moe_inputs=4), Plan(dspark=True, cpu_moe_inputs=8)),
                        (Plan(cpu_threads=1), Plan(cpu_threads=1, cpu_moe_fetch="near")),                   # fetching, alone
-                       (Plan(dspark=True), Plan(dspark=True, cpu_moe_fetch="near"))):                      # and beside others
-        a = Engine(ck, one).generate(prompt, 8, keep_logits=True)
-        b = Engine(ck, other).generate(prompt, 8, keep_logits=True)
+                       (Plan(dspark=True), Plan(dspark=True, cpu_moe_fetch="near")),                      # and beside others
+                       (Plan(moe_strategy="offload", slot_cache_experts=12),                                # the CPU slots too
+                        Plan(moe_strategy="offload", slot_cache_experts=12, cpu_moe_streams=4, cpu_moe_fetch="near"))):
+        ea, eb = Engine(ck, one), Engine(ck, other)
+        for e, p in ((ea, one), (eb, other)):      # every CPU-MoE call of the engine, slots included, runs the plan's choices
+            assert not isinstance(e.experts.cache.mem, NumbaSlots) or e.experts.cache.mem.kernel == e.experts.kernel
+            assert (e.experts.kernel["streams"], e.experts.kernel["inputs"], e.experts.kernel["fetch"]) == \
+                (p.cpu_moe_streams, p.cpu_moe_inputs, p.cpu_moe_fetch)
+        a = ea.generate(prompt, 8, keep_logits=True)
+        b = eb.generate(prompt, 8, keep_logits=True)
         assert a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)), other
 
 
