@@ -80,3 +80,29 @@ def test_bad_weights_and_shapes_are_named():
         Bf16Weight.from_tensor(torch.zeros(4, 64))
     with pytest.raises(ValueError, match="x has 32 inputs"):
         bf16_linear(torch.zeros(1, 32), _weight(0, 64, 64))
+
+
+@pytest.mark.skipif(not LANES, reason=f"this host's path ({isa()}) has no SIMD BF16 GEMV")
+def test_the_gemv_prefetches_each_line_into_l1_at_its_distance_and_changes_no_bits(monkeypatch):
+    """bf16_dense.L1_AHEAD (read as the kernel is emitted): a T0 prefetch per weight line of a chunk at that
+    distance beside the L2 one; 0 emits none. The outputs are the same bits either way."""
+    from numba import njit
+    from kernels import bf16_dense
+    from kernels.bf16_dense import bf16_dot
+    N, K = 8, 4 * UNROLL * LANES
+    w = _weight(7, N, K).bits.reshape(-1)
+    x = np.random.default_rng().standard_normal(K).astype(np.float32)
+    outs, t0 = {}, {}
+    for ahead in (0, 4096, 1024):
+        monkeypatch.setattr(bf16_dense, "L1_AHEAD", ahead)
+
+        @njit
+        def gemv(w, x, out):
+            for n in range(N):
+                bf16_dot(1, LANES, w, n * K, K // (UNROLL * LANES), x, 0, K, out, n, N)
+        out = np.zeros(N, np.float32)
+        gemv(w, x, out)
+        asm = "".join(gemv.inspect_asm().values())
+        outs[ahead], t0[ahead] = out, asm.count("prefetcht0")
+    assert t0[0] == 0 and t0[4096] >= UNROLL * LANES * 2 // 64 and t0[1024] == t0[4096], t0
+    assert all(np.array_equal(outs[0].view(np.uint32), o.view(np.uint32)) for o in outs.values())
