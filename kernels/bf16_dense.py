@@ -42,7 +42,8 @@ UNROLL = 4                         # independent FMA chains per (row, input): la
 # the L2 prefetch 16 KiB ahead (`prefetch_weights`): the CPU-MoE kernel's "far" fetching (kernels/fp4_lanes.py).
 # AMX Xeon VM, a 2048 x 5120 head over copies spanning 4x the LLC, 2 threads, 6 interleaved rounds: 0.53-0.57 of
 # the stream with the L2 prefetch alone, 0.66-0.68 with this at 2 / 4 / 8 KiB (0.59 at 2 KiB without the L2 one).
-# The FP8 GEMV gained nothing from it there (0.54-0.60 either way: its decode, not its fetching, is the limit).
+# The FP8 GEMV gained nothing from it there (0.54-0.60 either way: its compute rate, about one thread's DRAM reach,
+# is its limit: kernels/lab/README.md, "a sixth time").
 L1_AHEAD = 4096
 
 
