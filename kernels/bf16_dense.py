@@ -38,10 +38,13 @@ TILE_MIN_TOKENS = 16
 TILE_ROWS = 256
 GEMV_ANY_WIDTH_BYTES = 8 << 20     # V4.1's router is 2.6 MB; its head 1.3 GB
 UNROLL = 4                         # independent FMA chains per (row, input): latency hidden (a power of 2)
-# Each weight line also prefetched into L1 this many bytes ahead (< 1: none; read when the kernel is emitted), beside
-# the L2 prefetch 16 KiB ahead (`prefetch_weights`): the CPU-MoE kernel's "far" fetching (kernels/fp4_lanes.py).
-# AMX Xeon VM, a 2048 x 5120 head over copies spanning 4x the LLC, 2 threads, 6 interleaved rounds: 0.53-0.57 of
-# the stream with the L2 prefetch alone, 0.66-0.68 with this at 2 / 4 / 8 KiB (0.59 at 2 KiB without the L2 one).
+# Each weight line is prefetched into L2 16 KiB ahead (`prefetch_weights`) and into L1 this many bytes ahead (< 1:
+# none; read when the kernel is emitted): the CPU-MoE kernel's "far" fetching (kernels/fp4_lanes.py). AMX Xeon VM, a
+# 2048 x 5120 head over copies spanning 4x the LLC, 2 threads, 6 interleaved rounds, ratios to the stream: the L2
+# prefetch on every other line (one a 128-byte chunk on AVX-512, as it was) 0.59, plus this 0.71; on every line 0.81,
+# plus this 0.88 (the AVX2 path's 64-byte chunks always had one a line: 0.70-0.71 with or without this). Those are
+# copies compiled in the process; the package's kernel loaded from numba's cache read 0.48 before and 0.57-0.68 after
+# (a gap between cached and freshly compiled code seen for this kernel only: kernels/lab/README.md, "a sixth time").
 # The FP8 GEMV gained nothing from it there (0.54-0.60 either way: its compute rate, about one thread's DRAM reach,
 # is its limit: kernels/lab/README.md, "a sixth time").
 L1_AHEAD = 4096
@@ -83,8 +86,8 @@ def bf16_dot(typingctx, T_t, lanes_t, w, w_off, nchunks, x, x_off, x_stride, out
     """bf16_dot(T, lanes, w, w_off, nchunks, x, x_off, x_stride, out, o_off, o_stride) (T, lanes literals):
     out[o_off + j*o_stride] = sum_k f32(w[w_off + k]) * x[x_off + j*x_stride + k] over k < nchunks *
     UNROLL * lanes, j < T: each chunk widens UNROLL vectors of the row once for all T inputs, one FMA chain
-    per vector; the chains are added pairwise ((0 + 1) + (2 + 3)), then one ordered reduction. Each chunk's
-    lines are prefetched into L2 16 KiB ahead and into L1 L1_AHEAD bytes ahead."""
+    per vector; the chains are added pairwise ((0 + 1) + (2 + 3)), then one ordered reduction. Each of a chunk's
+    lines is prefetched into L2 16 KiB ahead and into L1 L1_AHEAD bytes ahead."""
     T, lanes = _literal(T_t), _literal(lanes_t)
     if None in (T, lanes):
         return None
@@ -103,10 +106,12 @@ def bf16_dot(typingctx, T_t, lanes_t, w, w_off, nchunks, x, x_off, x_stride, out
         with cgutils.for_range(builder, nc) as loop:
             k0 = builder.mul(loop.index, ir.Constant(i64, UNROLL * lanes))
             wp0 = builder.gep(wbase, [builder.add(w_off_v, k0)])
-            prefetch_weights(builder, prefetch, builder.bitcast(wp0, i8.as_pointer()))
-            for line in range(0, UNROLL * lanes * 2, 64) if L1_AHEAD > 0 else ():       # the chunk's lines, into L1
-                builder.call(prefetch, [builder.gep(builder.bitcast(wp0, i8.as_pointer()), [ir.Constant(i64, L1_AHEAD + line)]),
-                                        ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+            for line in range(0, UNROLL * lanes * 2, 64):                # each of the chunk's lines: into L2, and L1
+                at = builder.gep(builder.bitcast(wp0, i8.as_pointer()), [ir.Constant(i64, line)])
+                prefetch_weights(builder, prefetch, at)
+                if L1_AHEAD > 0:
+                    builder.call(prefetch, [builder.gep(at, [ir.Constant(i64, L1_AHEAD)]), ir.Constant(i32, 0), ir.Constant(i32, 3),
+                                            ir.Constant(i32, 1)])
             for u in range(UNROLL):
                 k = builder.add(k0, ir.Constant(i64, u * lanes))
                 wp = builder.gep(wbase, [builder.add(w_off_v, k)])
