@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from llvmlite import ir
+import numba
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
@@ -43,8 +44,8 @@ UNROLL = 4                         # independent FMA chains per (row, input): la
 # 2048 x 5120 head over copies spanning 4x the LLC, 2 threads, 6 interleaved rounds, ratios to the stream: the L2
 # prefetch on every other line (one a 128-byte chunk on AVX-512, as it was) 0.59, plus this 0.71; on every line 0.81,
 # plus this 0.88 (the AVX2 path's 64-byte chunks always had one a line: 0.70-0.71 with or without this). Those are
-# copies compiled in the process; the package's kernel loaded from numba's cache read 0.48 before and 0.57-0.68 after
-# (a gap between cached and freshly compiled code seen for this kernel only: kernels/lab/README.md, "a sixth time").
+# copies compiled in the process; loaded from numba's cache the loop over rows read 0.48 before and 0.57-0.68 after,
+# `_gemv_threads` 0.75-0.90 (kernels/lab/README.md, "a sixth time").
 # The FP8 GEMV gained nothing from it there (0.54-0.60 either way: its compute rate, about one thread's DRAM reach,
 # is its limit: kernels/lab/README.md, "a sixth time").
 L1_AHEAD = 4096
@@ -131,29 +132,51 @@ def bf16_dot(typingctx, T_t, lanes_t, w, w_off, nchunks, x, x_off, x_stride, out
     return sig, codegen
 
 
+@njit(nogil=True, cache=CACHE, inline="always")
+def _row(wf, xf, of, n, N, K, T, nc):
+    """Row n against the T inputs, up to 4 a widening."""
+    j = 0
+    while j < T:
+        left = T - j
+        if left >= 4:
+            bf16_dot(4, LANES, wf, n * K, nc, xf, j * K, K, of, j * N + n, N)
+            j += 4
+        elif left == 3:
+            bf16_dot(3, LANES, wf, n * K, nc, xf, j * K, K, of, j * N + n, N)
+            j += 3
+        elif left == 2:
+            bf16_dot(2, LANES, wf, n * K, nc, xf, j * K, K, of, j * N + n, N)
+            j += 2
+        else:
+            bf16_dot(1, LANES, wf, n * K, nc, xf, j * K, K, of, j * N + n, N)
+            j += 1
+
+
+@njit(parallel=True, nogil=True, cache=CACHE)
+def _gemv_threads(w, x, out, nt):
+    """The GEMV of `bf16_linear`: each of nt threads (numba's count, passed in: reading it here would keep the
+    kernel from numba's cache) its contiguous range of rows in order, one DRAM stream. The same rows and bits
+    as `_gemv_simd`'s loop over rows; loaded from numba's cache that loop read the head at 0.57-0.68 of the
+    stream on the AMX Xeon VM where the same code compiled in the process read 0.73-0.87; this one reads
+    0.75-0.78 either way (kernels/lab/README.md, "a sixth time")."""
+    N, K = w.shape
+    nc = K // (UNROLL * LANES)
+    wf, xf, of = w.reshape(-1), x.reshape(-1), out.reshape(-1)
+    for t in prange(nt):
+        for n in range(N * t // nt, N * (t + 1) // nt):
+            _row(wf, xf, of, n, N, K, x.shape[0], nc)
+
+
 @njit(parallel=True, nogil=True, cache=CACHE)
 def _gemv_simd(w, x, out):
-    """One row per call (each thread walks its rows in order: one DRAM stream), inputs in groups of <= 4."""
+    """One row per call (each thread walks its rows in order: one DRAM stream), inputs in groups of <= 4: the
+    fused decode layer's calls (kernels/decode_layer.py: the routers, cache-sized), which have no thread
+    count to pass."""
     N, K = w.shape
-    T = x.shape[0]
     nc = K // (UNROLL * LANES)
     wf, xf, of = w.reshape(-1), x.reshape(-1), out.reshape(-1)
     for n in prange(N):
-        j = 0
-        while j < T:
-            left = T - j
-            if left >= 4:
-                bf16_dot(4, LANES, wf, n * K, nc, xf, j * K, K, of, j * N + n, N)
-                j += 4
-            elif left == 3:
-                bf16_dot(3, LANES, wf, n * K, nc, xf, j * K, K, of, j * N + n, N)
-                j += 3
-            elif left == 2:
-                bf16_dot(2, LANES, wf, n * K, nc, xf, j * K, K, of, j * N + n, N)
-                j += 2
-            else:
-                bf16_dot(1, LANES, wf, n * K, nc, xf, j * K, K, of, j * N + n, N)
-                j += 1
+        _row(wf, xf, of, n, N, K, x.shape[0], nc)
 
 
 def simd_ok(w: Bf16Weight) -> bool:
@@ -170,7 +193,7 @@ def bf16_linear(x: torch.Tensor, w: Bf16Weight, threads: int | None = None) -> t
     if (T < TILE_MIN_TOKENS or w.nbytes <= GEMV_ANY_WIDTH_BYTES) and simd_ok(w):
         set_threads(threads)
         out = np.empty((T, N), np.float32)
-        _gemv_simd(w.bits, xf.numpy(), out)
+        _gemv_threads(w.bits, xf.numpy(), out, numba.get_num_threads())
         return torch.from_numpy(out)
     wt, y = w.tensor(), torch.empty(T, N)
     tile = torch.empty(min(TILE_ROWS, N), K)

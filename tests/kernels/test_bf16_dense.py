@@ -110,3 +110,21 @@ def test_the_gemv_prefetches_each_line_into_l1_at_its_distance_and_changes_no_bi
         assert ahead == 0 or t2 == asm.count("prefetcht0"), (ahead, t2)      # a line gets both, however LLVM unrolls
     assert t0[0] == 0 and t0[4096] >= UNROLL * LANES * 2 // 64 and t0[1024] == t0[4096], t0
     assert all(np.array_equal(outs[0].view(np.uint32), o.view(np.uint32)) for o in outs.values())
+
+
+@pytest.mark.skipif(not LANES, reason=f"this host's path ({isa()}) has no SIMD BF16 GEMV")
+@pytest.mark.parametrize("T", [1, 3, 6])
+def test_the_linears_gemv_and_the_decode_layers_give_the_same_bits_at_any_thread_split(T):
+    """bf16_linear's GEMV (`_gemv_threads`: a contiguous range of rows per thread) and the fused decode layer's
+    (`_gemv_simd`: numba's loop over rows) compute each row the same way, whatever the split."""
+    from kernels.bf16_dense import _gemv_simd, _gemv_threads
+    N, K = 37, 2 * UNROLL * LANES
+    w = _weight(T, N, K).bits
+    x = np.random.default_rng().standard_normal((T, K)).astype(np.float32)
+    ref = np.empty((T, N), np.float32)
+    _gemv_simd(w, x, ref)
+    for nt in (1, 2, 3, N + 5):                     # more threads than rows: some take none
+        out = np.full((T, N), np.nan, np.float32)
+        _gemv_threads(w, x, out, nt)
+        assert np.array_equal(out.view(np.uint32), ref.view(np.uint32)), nt
+    assert np.array_equal(bf16_linear(torch.from_numpy(x), Bf16Weight(w)).numpy().view(np.uint32), ref.view(np.uint32))
