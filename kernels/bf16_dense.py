@@ -45,7 +45,7 @@ UNROLL = 4                         # independent FMA chains per (row, input): la
 # prefetch on every other line (one a 128-byte chunk on AVX-512, as it was) 0.59, plus this 0.71; on every line 0.81,
 # plus this 0.88 (the AVX2 path's 64-byte chunks always had one a line: 0.70-0.71 with or without this). Those are
 # copies compiled in the process; loaded from numba's cache the loop over rows read 0.48 before and 0.57-0.68 after,
-# `_gemv_threads` 0.75-0.90 (kernels/lab/README.md, "a sixth time").
+# the loop over thread ranges (`_gemv_simd`) 0.75-0.90 (kernels/lab/README.md, "a sixth time").
 # The FP8 GEMV gained nothing from it there (0.54-0.60 either way: its compute rate, about one thread's DRAM reach,
 # is its limit: kernels/lab/README.md, "a sixth time").
 L1_AHEAD = 4096
@@ -153,30 +153,18 @@ def _row(wf, xf, of, n, N, K, T, nc):
 
 
 @njit(parallel=True, nogil=True, cache=CACHE)
-def _gemv_threads(w, x, out, nt):
-    """The GEMV of `bf16_linear`: each of nt threads (numba's count, passed in: reading it here would keep the
-    kernel from numba's cache) its contiguous range of rows in order, one DRAM stream. The same rows and bits
-    as `_gemv_simd`'s loop over rows; loaded from numba's cache that loop read the head at 0.57-0.68 of the
-    stream on the AMX Xeon VM where the same code compiled in the process read 0.73-0.87; this one reads
-    0.75-0.78 either way (kernels/lab/README.md, "a sixth time")."""
+def _gemv_simd(w, x, out, nt):
+    """Each of nt threads (numba's count, passed in: reading it here would keep the kernel from numba's cache)
+    its contiguous range of rows in order, one DRAM stream; inputs in groups of <= 4. Not numba's loop over
+    rows: loaded from numba's cache that loop read the head at 0.57-0.68 of the stream on the AMX Xeon VM where
+    the same code compiled in the process read 0.73-0.87; this one reads 0.78 compiled, 0.78-0.90 cached
+    (kernels/lab/README.md, "a sixth time"). The same rows, so the same bits, at any split."""
     N, K = w.shape
     nc = K // (UNROLL * LANES)
     wf, xf, of = w.reshape(-1), x.reshape(-1), out.reshape(-1)
     for t in prange(nt):
         for n in range(N * t // nt, N * (t + 1) // nt):
             _row(wf, xf, of, n, N, K, x.shape[0], nc)
-
-
-@njit(parallel=True, nogil=True, cache=CACHE)
-def _gemv_simd(w, x, out):
-    """One row per call (each thread walks its rows in order: one DRAM stream), inputs in groups of <= 4: the
-    fused decode layer's calls (kernels/decode_layer.py: the routers, 3.9 MB a layer on V4.1), which have no
-    thread count to pass; whether this loop's cached code reads them slower, as it did the head, is not measured."""
-    N, K = w.shape
-    nc = K // (UNROLL * LANES)
-    wf, xf, of = w.reshape(-1), x.reshape(-1), out.reshape(-1)
-    for n in prange(N):
-        _row(wf, xf, of, n, N, K, x.shape[0], nc)
 
 
 def simd_ok(w: Bf16Weight) -> bool:
@@ -193,7 +181,7 @@ def bf16_linear(x: torch.Tensor, w: Bf16Weight, threads: int | None = None) -> t
     if (T < TILE_MIN_TOKENS or w.nbytes <= GEMV_ANY_WIDTH_BYTES) and simd_ok(w):
         set_threads(threads)
         out = np.empty((T, N), np.float32)
-        _gemv_threads(w.bits, xf.numpy(), out, numba.get_num_threads())
+        _gemv_simd(w.bits, xf.numpy(), out, numba.get_num_threads())
         return torch.from_numpy(out)
     wt, y = w.tensor(), torch.empty(T, N)
     tile = torch.empty(min(TILE_ROWS, N), K)

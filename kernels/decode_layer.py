@@ -57,9 +57,10 @@ def _fp8(q, s, bn, bk, x, out, stab):
 @njit(nogil=True, cache=CACHE)
 def attn_in(h, attn_norm, kv_norm, eps, bn, bk, stab, cos, sin,
             wqa, wqa_s, wqb, wqb_s, wkv, wkv_s, wiq, wiq_s, wiw, wkvc, wkvc_s, wik, wik_s,
-            a, ql, q, cw, kn, qi, wh, lat, ik):
+            a, ql, q, cw, kn, qi, wh, lat, ik, nt):
     """Outputs written in place: a, ql, q [S, Hq, C], cw, kn [S, C]; qi, wh where wi_q, wi_w are given;
-    lat, ik where wkv_c, wi_k are given (their arrays then [S, N], else empty)."""
+    lat, ik where wkv_c, wi_k are given (their arrays then [S, N], else empty). nt: numba's thread count (the
+    BF16 GEMV's, bf16_dense._gemv_simd)."""
     S = h.shape[0]
     r = np.empty(S, h.dtype)
     _rows(h, attn_norm, eps, r, a)
@@ -73,15 +74,15 @@ def attn_in(h, attn_norm, kv_norm, eps, bn, bk, stab, cos, sin,
     _rope(cw.reshape(S, 1, cw.shape[1]), cos, sin, kn.reshape(S, 1, kn.shape[1]))
     _fp8(wiq, wiq_s, bn, bk, ql, qi, stab)
     if wiw.shape[0] > 0:
-        bf16_dense._gemv_simd(wiw, a, wh)
+        bf16_dense._gemv_simd(wiw, a, wh, nt)
     _fp8(wkvc, wkvc_s, bn, bk, a, lat, stab)
     _fp8(wik, wik_s, bn, bk, a, ik, stab)
 
 
 @njit(nogil=True, cache=CACHE)
-def attn_out(h, o, wo, wo_s, bn, bk, stab, ffn_norm, eps, gate, bias, scale, h2, m, ids, wts):
+def attn_out(h, o, wo, wo_s, bn, bk, stab, ffn_norm, eps, gate, bias, scale, h2, m, ids, wts, nt):
     """h2 = h + o wo^T, m = rmsnorm(h2, ffn_norm), and with a gate (else empty) the routing into
-    ids, wts [S, K]; o [S, Hq C]."""
+    ids, wts [S, K]; o [S, Hq C]. nt: numba's thread count (the router's BF16 GEMV)."""
     S, H = h.shape
     t = np.empty((S, H), h.dtype)
     fp8_dense._gemv_simd(wo, wo_s, bn, bk, o, t, stab)
@@ -92,7 +93,7 @@ def attn_out(h, o, wo, wo_s, bn, bk, stab, ffn_norm, eps, gate, bias, scale, h2,
     if gate.shape[0] > 0:
         E = gate.shape[0]
         logits = np.empty((S, E), h.dtype)
-        bf16_dense._gemv_simd(gate, m, logits)
+        bf16_dense._gemv_simd(gate, m, logits, nt)
         _route(logits, bias, scale, np.empty(E, wts.dtype), np.empty(E, np.bool_), ids, wts)
 
 

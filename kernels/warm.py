@@ -2,6 +2,7 @@
 toy inputs: one-time process costs, kept out of what a plan's run is measured to add."""
 from __future__ import annotations
 
+import numba
 import numpy as np
 import torch
 
@@ -69,9 +70,10 @@ def _fused_layer(rng, f32) -> None:
     H, C, Q, HQ = 64, 32, 32, 2
     decode_layer.attn_in(f32(1, H), f32(H), f32(C), 1e-6, 32, 32, STAB, f32(1, C // 2), f32(1, C // 2),
                          *fp8(Q, H), *fp8(HQ * C, Q), *fp8(C, H), *fp8(C, Q), bf16(2, H), *fp8(C, H), *fp8(C, H),
-                         f32(1, H), f32(1, Q), f32(1, HQ, C), f32(1, C), f32(1, C), f32(1, C), f32(1, 2), f32(1, C), f32(1, C))
+                         f32(1, H), f32(1, Q), f32(1, HQ, C), f32(1, C), f32(1, C), f32(1, C), f32(1, 2), f32(1, C), f32(1, C),
+                         numba.get_num_threads())
     decode_layer.attn_out(f32(1, H), f32(1, HQ * C), *fp8(H, HQ * C), 32, 32, STAB, f32(H), 1e-6, bf16(8, H), f32(8), 1.0,
-                          f32(1, H), f32(1, H), np.empty((1, 2), np.int64), f32(1, 2))
+                          f32(1, H), f32(1, H), np.empty((1, 2), np.int64), f32(1, 2), numba.get_num_threads())
     decode_layer.engram(f32(1, H), u8(8, 32), np.full((8, 1), 120, np.uint8), np.arange(2, dtype=np.int64), E4M3, STAB,
                         *fp8(H, 64), *fp8(H, 64), 32, 32, 1e-6, 0.125, f32(1, H))
     decode_layer.source_in(f32(1, H), f32(H), 1e-6, 32, 32, STAB, *fp8(C, H), *fp8(C, H), f32(1, C), f32(1, C))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 import torch
 
@@ -107,7 +108,8 @@ class FusedLayer:
         e = NO_OUTPUT
         decode_layer.attn_in(h, self.norms[0], self.norms[1], c.rms_norm_eps, bn, bk, STAB, cos, sin, *self.wq,
                              n["a"], n["ql"], n["q"], n["cw"], n["kn"], n["qi"] if self.index else e,
-                             n["wh"] if self.index else e, n["lat"] if self.source else e, n["ik"] if self.source else e)
+                             n["wh"] if self.index else e, n["lat"] if self.source else e, n["ik"] if self.source else e,
+                             numba.get_num_threads())
         return work.t
 
     def source_in(self, h: np.ndarray, work: Work) -> tuple:
@@ -133,7 +135,7 @@ class FusedLayer:
         bn, bk = self.block
         h2 = np.empty_like(h)
         decode_layer.attn_out(h, o.reshape(len(h), -1), *self.wo, bn, bk, STAB, self.norms[2], c.rms_norm_eps,
-                              self.gate, self.bias, c.routed_scaling_factor, h2, n["m"], n["ids"], n["wts"])
+                              self.gate, self.bias, c.routed_scaling_factor, h2, n["m"], n["ids"], n["wts"], numba.get_num_threads())
         return h2
 
 

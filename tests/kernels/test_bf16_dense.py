@@ -114,17 +114,17 @@ def test_the_gemv_prefetches_each_line_into_l1_at_its_distance_and_changes_no_bi
 
 @pytest.mark.skipif(not LANES, reason=f"this host's path ({isa()}) has no SIMD BF16 GEMV")
 @pytest.mark.parametrize("T", [1, 3, 6])
-def test_the_linears_gemv_and_the_decode_layers_give_the_same_bits_at_any_thread_split(T):
-    """bf16_linear's GEMV (`_gemv_threads`: a contiguous range of rows per thread) and the fused decode layer's
-    (`_gemv_simd`: numba's loop over rows) compute each row the same way, whatever the split."""
-    from kernels.bf16_dense import _gemv_simd, _gemv_threads
+def test_the_gemv_gives_the_same_bits_at_any_thread_split(T):
+    """`_gemv_simd` gives each thread a contiguous range of rows (bf16_linear and the fused decode layer's
+    routers call it with numba's thread count): each row is computed the same way whatever the split."""
+    from kernels.bf16_dense import _gemv_simd
     N, K = 37, 2 * UNROLL * LANES
     w = _weight(T, N, K).bits
     x = np.random.default_rng().standard_normal((T, K)).astype(np.float32)
     ref = np.empty((T, N), np.float32)
-    _gemv_simd(w, x, ref)
-    for nt in (1, 2, 3, N + 5):                     # more threads than rows: some take none
+    _gemv_simd(w, x, ref, 1)
+    for nt in (2, 3, N + 5):                        # more threads than rows: some take none
         out = np.full((T, N), np.nan, np.float32)
-        _gemv_threads(w, x, out, nt)
+        _gemv_simd(w, x, out, nt)
         assert np.array_equal(out.view(np.uint32), ref.view(np.uint32)), nt
     assert np.array_equal(bf16_linear(torch.from_numpy(x), Bf16Weight(w)).numpy().view(np.uint32), ref.view(np.uint32))
